@@ -1,0 +1,1 @@
+"""kdn_compile: GDN, KDA and Diag-KDN for torch.compile / torch.export."""

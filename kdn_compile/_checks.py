@@ -1,0 +1,118 @@
+"""Argument validation shared by the public functions and the references.
+
+Every check raises ``ValueError`` (shapes, values) or ``TypeError`` (dtypes,
+types) whose message names the argument, what was expected and what arrived.
+Checks read shapes, dtypes and devices only, never tensor values, so they
+trace under ``torch.compile`` without graph breaks or host syncs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _shape(t: torch.Tensor) -> tuple:
+    return tuple(t.shape)
+
+
+def check_tensor(name: str, t, *, dim: int | None = None, floating: bool = True) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if dim is not None and t.dim() != dim:
+        raise ValueError(f"{name} must have {dim} dims, got shape {_shape(t)}")
+    if floating and t.dtype not in _FLOATS:
+        raise TypeError(
+            f"{name} must be float16, bfloat16, float32 or float64, got {t.dtype}"
+        )
+
+
+def check_same_device(**tensors) -> None:
+    present = {n: t for n, t in tensors.items() if t is not None}
+    devices = {n: t.device for n, t in present.items()}
+    first_name, first = next(iter(devices.items()))
+    for name, device in devices.items():
+        if device != first:
+            raise ValueError(
+                f"{name} is on {device} but {first_name} is on {first}: "
+                "all tensors must share one device"
+            )
+
+
+def check_chunk_size(chunk_size) -> None:
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, (int, float)):
+        raise TypeError(f"chunk_size must be a positive int, got {type(chunk_size).__name__}")
+    if not math.isfinite(chunk_size) or chunk_size != int(chunk_size) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive finite int, got {chunk_size}")
+
+
+def check_cu_seqlens(cu_seqlens, batch: int, device: torch.device) -> None:
+    if cu_seqlens is None:
+        return
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise TypeError(f"cu_seqlens must be a torch.Tensor, got {type(cu_seqlens).__name__}")
+    if cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"cu_seqlens must be int32 or int64, got {cu_seqlens.dtype}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2:
+        raise ValueError(f"cu_seqlens must be [N + 1] with N >= 1, got shape {_shape(cu_seqlens)}")
+    if batch != 1:
+        raise ValueError(f"with cu_seqlens the batch size must be 1, got B = {batch}")
+    if cu_seqlens.device != device:
+        raise ValueError(f"cu_seqlens is on {cu_seqlens.device} but q is on {device}")
+
+
+def check_state(name: str, state, expected: tuple) -> None:
+    if state is None:
+        return
+    check_tensor(name, state, dim=len(expected))
+    if _shape(state) != tuple(expected):
+        raise ValueError(f"{name} must have shape {tuple(expected)}, got {_shape(state)}")
+
+
+def num_sequences(batch: int, cu_seqlens) -> int:
+    return batch if cu_seqlens is None else cu_seqlens.shape[0] - 1
+
+
+def check_delta_inputs(
+    q, k, v, g, beta, *, initial_state=None, cu_seqlens=None, state_v_first=False,
+    gate: str = "any", chunk_size=None,
+) -> None:
+    """Validate the arguments of the GDN / KDA functions (see their docstrings).
+
+    ``gate`` is ``"scalar"`` (``g [B, T, Hv]``), ``"per_key"`` (``[B, T, Hv, K]``)
+    or ``"any"`` (either).
+    """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_tensor(name, t, dim=4)
+    check_tensor("g", g)
+    check_tensor("beta", beta, dim=3)
+    check_same_device(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state)
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    b, t, hk, dk = q.shape
+    if _shape(k) != _shape(q):
+        raise ValueError(f"k must have q's shape {_shape(q)} = [B, T, Hk, K], got {_shape(k)}")
+    if v.shape[0] != b or v.shape[1] != t:
+        raise ValueError(f"v must be [B={b}, T={t}, Hv, V], got {_shape(v)}")
+    hv, dv = v.shape[2], v.shape[3]
+    if hv % hk != 0:
+        raise ValueError(
+            f"the value heads Hv = {hv} (v {_shape(v)}) must be a multiple of "
+            f"the key heads Hk = {hk} (q {_shape(q)})"
+        )
+    scalar, per_key = (b, t, hv), (b, t, hv, dk)
+    allowed = {"scalar": [scalar], "per_key": [per_key], "any": [scalar, per_key]}[gate]
+    if _shape(g) not in allowed:
+        expected = " or ".join(str(s) for s in allowed)
+        raise ValueError(f"g must have shape {expected}, got {_shape(g)}")
+    if _shape(beta) != scalar:
+        raise ValueError(f"beta must have shape {scalar} = [B, T, Hv], got {_shape(beta)}")
+    if chunk_size is not None:
+        check_chunk_size(chunk_size)
+    check_cu_seqlens(cu_seqlens, b, q.device)
+    n = num_sequences(b, cu_seqlens)
+    state = (n, hv, dv, dk) if state_v_first else (n, hv, dk, dv)
+    check_state("initial_state", initial_state, state)

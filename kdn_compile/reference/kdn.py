@@ -1,0 +1,231 @@
+"""Exact Diagonal Kalman Delta Network (Diag-KDN) recurrences.
+
+Each head keeps a memory ``S [K, V]`` and one covariance coordinate per key
+channel, ``p [K]`` (carried as the precision ``1 / p``). Per token::
+
+    p_hat_t = alpha_t**2 * p_{t-1} + omega_t
+    kappa_t = p_hat_t * k_t / (r_t + sum_i p_hat_ti * k_ti**2)      (Kalman gain)
+    1 / p_t = 1 / p_hat_t + info_scale * k_t**2 / r_t
+    S_t     = (I - kappa_t k_t^T) diag(alpha_t) S_{t-1} + kappa_t v_t^T
+    o_t     = scale * S_t^T q_t
+
+The covariance uses the raw ``alpha``; the memory decay floors ``log alpha`` at
+``LOG_MEMORY_ALPHA_FLOOR``; the gain's denominator has no ``info_scale``.
+Functions take and return ``(memory, precision)`` so that prefill, decode and
+padded batches continue a sequence exactly. Shapes: ``q, k, log_alpha, omega``
+``[B, T, H, K]``, ``v [B, T, H, V]``, ``r [B, T, H]``, ``memory [B, H, K, V]``,
+``precision [B, H, K]``. Math runs in ``promote_types(dtype, float32)``.
+Source: the Diagonal KDN specification (``shared/spec``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from kdn_compile.reference._common import to_work
+from kdn_compile.reference.delta_rule import two_key_chunk_recurrence
+
+OMEGA_MIN = 0.0
+R_MIN = 0.01
+INITIAL_PRECISION = 1.0
+INITIAL_PRECISION_FLOOR = 0.1
+LOG_MEMORY_ALPHA_FLOOR = math.log(1e-6)
+NORM_EPS = 1e-12
+DEFAULT_CHUNK_SIZE = 64
+
+__all__ = [
+    "OMEGA_MIN", "R_MIN", "INITIAL_PRECISION", "INITIAL_PRECISION_FLOOR",
+    "LOG_MEMORY_ALPHA_FLOOR", "NORM_EPS", "DEFAULT_CHUNK_SIZE",
+    "initial_precision_logit", "kalman_noise", "normalize_query_key", "initial_state",
+    "mask_padding", "diag_kdn_step", "diag_kdn_recurrent", "kalman_gain",
+    "chunked_memory", "diag_kdn_chunked",
+]
+
+
+def initial_precision_logit() -> float:
+    """Raw parameter whose floored softplus is ``INITIAL_PRECISION``."""
+    return math.log(math.expm1(INITIAL_PRECISION - INITIAL_PRECISION_FLOOR))
+
+
+def kalman_noise(
+    retention_raw: torch.Tensor,
+    omega_raw: torch.Tensor,
+    r_raw: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    initial_precision_param: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Map raw projections to ``(log_alpha, omega, r, initial_precision)``.
+
+    ``log_alpha = -exp(A_log)[h] * softplus(retention_raw + dt_bias)`` (natural
+    log, ``[..., H, K]``), ``omega = OMEGA_MIN + softplus(omega_raw)``,
+    ``r = R_MIN + softplus(r_raw)``, ``initial_precision =
+    INITIAL_PRECISION_FLOOR + softplus(initial_precision_param)``. ``A_log`` is
+    ``[H]``, ``dt_bias`` has ``H * K`` entries.
+    """
+    heads, key_dim = retention_raw.shape[-2:]
+    rate = to_work(A_log).exp().view(heads, 1)
+    log_alpha = -rate * F.softplus(to_work(retention_raw) + to_work(dt_bias).view(heads, key_dim))
+    omega = OMEGA_MIN + F.softplus(to_work(omega_raw))
+    r = R_MIN + F.softplus(to_work(r_raw))
+    precision = INITIAL_PRECISION_FLOOR + F.softplus(to_work(initial_precision_param))
+    return log_alpha, omega, r, precision
+
+
+def normalize_query_key(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """L2-normalize ``q`` and ``k`` over the last dim (eps ``NORM_EPS``), in the working dtype."""
+    return (
+        F.normalize(to_work(q), dim=-1, eps=NORM_EPS),
+        F.normalize(to_work(k), dim=-1, eps=NORM_EPS),
+    )
+
+
+def initial_state(
+    initial_precision: torch.Tensor, *, batch_size: int, key_dim: int, value_dim: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zero memory ``[B, H, K, V]`` and the learned prior precision ``[B, H, K]``."""
+    heads = initial_precision.shape[0]
+    prior = to_work(initial_precision)
+    memory = prior.new_zeros((batch_size, heads, key_dim, value_dim))
+    precision = prior.view(1, heads, 1).expand(batch_size, heads, key_dim).contiguous()
+    return memory, precision
+
+
+def mask_padding(
+    token_mask: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    log_alpha: torch.Tensor,
+    omega: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Make padded tokens (``token_mask [B, T]`` False) identity steps.
+
+    Zero key, value, log decay and process noise leave memory and precision
+    untouched (the gain of a zero key is zero).
+    """
+    keep = token_mask[:, :, None, None]
+    return tuple(torch.where(keep, x, 0.0) for x in (k, v, log_alpha, omega))
+
+
+def diag_kdn_step(
+    q, k, v, log_alpha, omega, r, memory, precision, *, scale: float, info_scale: float
+):
+    """Advance one token; ``q, k, log_alpha, omega`` are ``[B, H, K]``, ``r`` ``[B, H]``.
+
+    Returns ``(output [B, H, V], memory, precision)``.
+    """
+    k_squared = k.square()
+    predicted = (2.0 * log_alpha).exp() / precision + omega
+    noise = r[..., None]
+    gain = predicted * k / (noise + (predicted * k_squared).sum(-1, keepdim=True))
+    precision = predicted.reciprocal() + info_scale * k_squared / noise
+    decayed = memory * log_alpha.clamp_min(LOG_MEMORY_ALPHA_FLOOR).exp()[..., None]
+    innovation = v - torch.einsum("bhk,bhkv->bhv", k, decayed)
+    memory = decayed + gain[..., None] * innovation[..., None, :]
+    output = scale * torch.einsum("bhk,bhkv->bhv", q, memory)
+    return output, memory, precision
+
+
+def diag_kdn_recurrent(
+    q, k, v, log_alpha, omega, r, memory, precision, *, scale: float, info_scale: float
+):
+    """Token-by-token Diag-KDN; returns ``(output [B, T, H, V], memory, precision)``."""
+    outputs = []
+    for t in range(q.shape[1]):
+        output, memory, precision = diag_kdn_step(
+            q[:, t], k[:, t], v[:, t], log_alpha[:, t], omega[:, t], r[:, t],
+            memory, precision, scale=scale, info_scale=info_scale,
+        )
+        outputs.append(output)
+    if not outputs:
+        return v.new_zeros(v.shape).to(memory.dtype), memory, precision
+    return torch.stack(outputs, dim=1), memory, precision
+
+
+def _compose(later, earlier):
+    """``later @ earlier`` for 2x2 maps kept as ``(m00, m01, m10, m11)``, rescaled.
+
+    A Mobius map is unchanged by scaling its matrix, so each product is divided
+    by its largest entry magnitude to keep long products finite.
+    """
+    a00, a01, a10, a11 = later
+    b00, b01, b10, b11 = earlier
+    product = (
+        a00 * b00 + a01 * b10,
+        a00 * b01 + a01 * b11,
+        a10 * b00 + a11 * b10,
+        a10 * b01 + a11 * b11,
+    )
+    size = torch.stack(product).abs().amax(dim=0)
+    size = size.clamp_min(torch.finfo(size.dtype).tiny)
+    return tuple(entry / size for entry in product)
+
+
+def _prefix_products(maps):
+    """Inclusive prefix products ``M_t ... M_1`` along dim 1 (Hillis-Steele)."""
+    length = maps[0].shape[1]
+    step = 1
+    while step < length:
+        combined = _compose(
+            tuple(m[:, step:] for m in maps), tuple(m[:, :-step] for m in maps)
+        )
+        maps = tuple(torch.cat((m[:, :step], c), dim=1) for m, c in zip(maps, combined))
+        step *= 2
+    return maps
+
+
+def kalman_gain(k, log_alpha, omega, r, precision, *, info_scale: float):
+    """Gains ``kappa [B, T, H, K]`` for every token and the final precision ``[B, H, K]``.
+
+    The covariance step ``p -> (a^2 p + w) / (I a^2 p + 1 + I w)`` (with
+    ``I = info_scale k^2 / r``) is a Mobius map, so all covariances come from a
+    parallel prefix scan of 2x2 matrices applied to the initial ``1 / precision``.
+    """
+    k_squared = k.square()
+    noise = r[..., None]
+    alpha_squared = (2.0 * log_alpha).exp()
+    information = info_scale * k_squared / noise
+    m00, m01, m10, m11 = _prefix_products(
+        (alpha_squared, omega, information * alpha_squared, 1.0 + information * omega)
+    )
+    start = precision.reciprocal()[:, None]
+    covariance = (m00 * start + m01) / (m10 * start + m11)
+    previous = torch.cat((start, covariance[:, :-1]), dim=1)
+    predicted = alpha_squared * previous + omega
+    gain = predicted * k / (noise + (predicted * k_squared).sum(-1, keepdim=True))
+    if k.shape[1] == 0:
+        return gain, precision
+    return gain, covariance[:, -1].reciprocal()
+
+
+def chunked_memory(
+    q, k, v, log_alpha, gain, memory, *, scale: float, chunk_size: int = DEFAULT_CHUNK_SIZE
+):
+    """Two-key delta-rule memory (erase ``k``, write ``gain``) in WY form per chunk.
+
+    Uses the floored memory decay. Returns ``(output [B, T, H, V], memory)``.
+    Raises ``ValueError`` for a non-positive ``chunk_size``.
+    """
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    decay = log_alpha.clamp_min(LOG_MEMORY_ALPHA_FLOOR)
+    output, memory = two_key_chunk_recurrence(
+        *(x.transpose(1, 2) for x in (q, k, gain, v, decay)),
+        memory, scale=scale, chunk_size=chunk_size,
+    )
+    return output.transpose(1, 2), memory
+
+
+def diag_kdn_chunked(
+    q, k, v, log_alpha, omega, r, memory, precision, *, scale: float, info_scale: float,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+):
+    """Parallel form of :func:`diag_kdn_recurrent`: gain scan, then chunked memory."""
+    gain, precision = kalman_gain(k, log_alpha, omega, r, precision, info_scale=info_scale)
+    output, memory = chunked_memory(
+        q, k, v, log_alpha, gain, memory, scale=scale, chunk_size=chunk_size
+    )
+    return output, memory, precision
