@@ -1,1 +1,16 @@
-"""kdn_compile: GDN, KDA and Diag-KDN for torch.compile / torch.export."""
+"""kdn_compile: Gated DeltaNet, Kimi Delta Attention and the Diagonal Kalman Delta
+Network as first-class citizens of ``torch.compile``, Inductor and ``torch.export``.
+
+Public functions (:mod:`kdn_compile.api`) call ops declared with ``torch.library``
+in the ``kdn`` namespace; :mod:`kdn_compile.reference` holds the exact oracles.
+"""
+
+from kdn_compile._backend import BACKENDS, get_backend, set_backend, use_backend
+from kdn_compile.api import chunk_gdn, chunk_kda, diag_kdn, recurrent_delta_rule, state_fp8_qdq
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BACKENDS", "get_backend", "set_backend", "use_backend",
+    "chunk_gdn", "chunk_kda", "diag_kdn", "recurrent_delta_rule", "state_fp8_qdq",
+]

@@ -116,3 +116,32 @@ def check_delta_inputs(
     n = num_sequences(b, cu_seqlens)
     state = (n, hv, dv, dk) if state_v_first else (n, hv, dk, dv)
     check_state("initial_state", initial_state, state)
+
+
+def check_kdn_inputs(
+    q, k, v, log_alpha, omega, r, memory, precision, *, cu_seqlens=None, chunk_size=None
+) -> None:
+    """Validate the arguments of :func:`kdn_compile.diag_kdn`."""
+    for name, t in (("q", q), ("k", k), ("v", v), ("log_alpha", log_alpha), ("omega", omega)):
+        check_tensor(name, t, dim=4)
+    check_tensor("r", r, dim=3)
+    check_tensor("memory", memory, dim=4)
+    check_tensor("precision", precision, dim=3)
+    check_same_device(
+        q=q, k=k, v=v, log_alpha=log_alpha, omega=omega, r=r, memory=memory,
+        precision=precision,
+    )
+    b, t, h, dk = q.shape
+    for name, x in (("k", k), ("log_alpha", log_alpha), ("omega", omega)):
+        if _shape(x) != _shape(q):
+            raise ValueError(f"{name} must have q's shape {_shape(q)} = [B, T, H, K], got {_shape(x)}")
+    if _shape(v)[:3] != (b, t, h):
+        raise ValueError(f"v must be [B={b}, T={t}, H={h}, V], got {_shape(v)}")
+    if _shape(r) != (b, t, h):
+        raise ValueError(f"r must have shape {(b, t, h)} = [B, T, H], got {_shape(r)}")
+    if chunk_size is not None:
+        check_chunk_size(chunk_size)
+    check_cu_seqlens(cu_seqlens, b, q.device)
+    n = num_sequences(b, cu_seqlens)
+    check_state("memory", memory, (n, h, dk, v.shape[3]))
+    check_state("precision", precision, (n, h, dk))

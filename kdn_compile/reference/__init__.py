@@ -26,6 +26,7 @@ from kdn_compile.reference.kdn import (
     chunked_memory,
     diag_kdn_chunked,
     diag_kdn_recurrent,
+    diag_kdn_reference,
     diag_kdn_step,
     initial_precision_logit,
     initial_state,
@@ -43,5 +44,5 @@ __all__ = [
     "LOG_MEMORY_ALPHA_FLOOR", "NORM_EPS", "DEFAULT_CHUNK_SIZE",
     "initial_precision_logit", "kalman_noise", "normalize_query_key", "initial_state",
     "mask_padding", "diag_kdn_step", "diag_kdn_recurrent", "kalman_gain",
-    "chunked_memory", "diag_kdn_chunked",
+    "chunked_memory", "diag_kdn_chunked", "diag_kdn_reference",
 ]

@@ -41,7 +41,7 @@ __all__ = [
     "LOG_MEMORY_ALPHA_FLOOR", "NORM_EPS", "DEFAULT_CHUNK_SIZE",
     "initial_precision_logit", "kalman_noise", "normalize_query_key", "initial_state",
     "mask_padding", "diag_kdn_step", "diag_kdn_recurrent", "kalman_gain",
-    "chunked_memory", "diag_kdn_chunked",
+    "chunked_memory", "diag_kdn_chunked", "diag_kdn_reference",
 ]
 
 
@@ -229,3 +229,35 @@ def diag_kdn_chunked(
         q, k, v, log_alpha, gain, memory, scale=scale, chunk_size=chunk_size
     )
     return output, memory, precision
+
+
+def diag_kdn_reference(
+    q, k, v, log_alpha, omega, r, memory, precision, *, scale: float, info_scale: float,
+    chunk_size: int = DEFAULT_CHUNK_SIZE, cu_seqlens: torch.Tensor | None = None,
+):
+    """:func:`diag_kdn_chunked` over packed sequences, in the working dtype.
+
+    With ``cu_seqlens`` (``[N + 1]``, ``B == 1``, read on the CPU) each sequence
+    runs from its own ``memory [N, H, K, V]`` and ``precision [N, H, K]`` row.
+    Returns ``(output, memory, precision)``: ``output`` in ``v``'s dtype, the
+    state in ``promote_types(dtype, float32)``.
+    """
+    from kdn_compile.reference._common import segments, work_dtype
+
+    dtype = work_dtype(q.dtype)
+    work = [x.to(dtype) for x in (q, k, v, log_alpha, omega, r)]
+    memory, precision = memory.to(dtype), precision.to(dtype)
+    outputs, memories, precisions = [], [], []
+    for rows, times in segments(cu_seqlens, q.shape[0], q.shape[1]):
+        o, m, p = diag_kdn_chunked(
+            *(x[:, times] for x in work), memory[rows], precision[rows],
+            scale=scale, info_scale=info_scale, chunk_size=chunk_size,
+        )
+        outputs.append(o)
+        memories.append(m)
+        precisions.append(p)
+    return (
+        torch.cat(outputs, dim=1).to(v.dtype),
+        torch.cat(memories, dim=0),
+        torch.cat(precisions, dim=0),
+    )

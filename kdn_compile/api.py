@@ -1,0 +1,260 @@
+"""Public functions: validate, fill defaults, call one ``torch.ops.kdn`` op.
+
+Each is a drop-in for its reference in :mod:`kdn_compile.reference` (same
+arguments, same results) and traces under ``torch.compile(fullgraph=True)`` and
+``torch.export`` without graph breaks. Which op runs is chosen by the backend
+switch (:func:`kdn_compile.set_backend`): the Triton kernel op (``kdn::<name>``)
+or the exact reference op (``kdn::<name>_reference``).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+import kdn_compile.ops  # noqa: F401  (registers torch.ops.kdn)
+from kdn_compile._backend import prefer_kernels
+from kdn_compile._checks import check_delta_inputs, check_kdn_inputs, check_tensor
+from kdn_compile.reference.kdn import DEFAULT_CHUNK_SIZE
+
+__all__ = ["chunk_gdn", "chunk_kda", "recurrent_delta_rule", "diag_kdn", "state_fp8_qdq"]
+
+_ops = torch.ops.kdn
+
+
+def _scale(scale, q: torch.Tensor) -> float:
+    if scale is None:
+        return q.shape[-1] ** -0.5
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
+    return float(scale)
+
+
+def _block_v(block_v) -> int:
+    if isinstance(block_v, bool) or not isinstance(block_v, int) or block_v < 1:
+        raise ValueError(f"state_qdq_block_v must be a positive int, got {block_v!r}")
+    return block_v
+
+
+def chunk_gdn(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    chunk_size: int = 64,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    state_v_first: bool = False,
+    state_qdq: bool = False,
+    state_qdq_block_v: int = 64,
+    w_quantizer: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunked Gated DeltaNet (scalar decay): ``o_t = scale * S_t^T q_t`` with
+    ``S_t = (I - beta_t k_t k_t^T) exp(g_t) S_{t-1} + beta_t k_t v_t^T``.
+
+    Args:
+        q, k: ``[B, T, Hk, K]`` float16/bfloat16/float32/float64, already
+            L2-normalized (k) and activated.
+        v: ``[B, T, Hv, V]``, same dtype; ``Hv`` a multiple of ``Hk`` (value
+            head ``h`` reads key head ``h // (Hv // Hk)``).
+        g: ``[B, T, Hv]`` natural-log decay per token and value head (``<= 0``).
+        beta: ``[B, T, Hv]`` write strengths, usually in ``(0, 1)``.
+        chunk_size: tokens per chunk, positive int (64 for the kernels).
+        scale: output scale, default ``K ** -0.5``.
+        initial_state: ``[N, Hv, K, V]`` (``[N, Hv, V, K]`` with
+            ``state_v_first``), any float dtype; zeros when ``None``.
+        cu_seqlens: ``[N + 1]`` int32/int64 boundaries of packed sequences,
+            on q's device; requires ``B == 1``.
+        state_v_first: states are value-major.
+        state_qdq: fake-quantize the state to FP8 E4M3 (initial state and each
+            chunk's final state, after its readout), one scale per
+            ``[K, state_qdq_block_v]`` tile, straight-through gradient.
+        state_qdq_block_v: value columns per FP8 scale.
+        w_quantizer: callable applied once to the whole WY operand
+            ``W [B, T, Hv, K]``; with it the computation runs as two ops with the
+            callable traced between them.
+
+    Returns:
+        ``(o, final_state)``: ``o`` like ``v`` (``v``'s dtype); ``final_state``
+        ``[N, Hv, K, V]`` (or value-major) in float32 (float64 for float64 inputs).
+
+    Raises:
+        ValueError: mismatched batch/length/heads, ``Hv`` not a multiple of
+            ``Hk``, ``g`` not ``[B, T, Hv]``, ``cu_seqlens`` with ``B != 1``,
+            ``initial_state`` of the wrong shape, bad ``chunk_size``, mixed devices.
+        TypeError: non-float inputs, mixed q/k/v dtypes, non-integer ``cu_seqlens``.
+
+    Source: the chunked WY form of the gated delta rule (Yang et al., Gated Delta
+    Networks, 2024), as specified by :func:`kdn_compile.reference.chunk_gdn_reference`.
+
+    Example:
+        >>> B, T, H, K = 1, 16, 2, 8
+        >>> q = torch.nn.functional.normalize(torch.randn(B, T, H, K), dim=-1)
+        >>> k = torch.nn.functional.normalize(torch.randn(B, T, H, K), dim=-1)
+        >>> v, g, beta = torch.randn(B, T, H, K), -torch.rand(B, T, H), torch.rand(B, T, H)
+        >>> o, state = chunk_gdn(q, k, v, g, beta)
+        >>> tuple(o.shape), tuple(state.shape)
+        ((1, 16, 2, 8), (1, 2, 8, 8))
+    """
+    check_delta_inputs(
+        q, k, v, g, beta, initial_state=initial_state, cu_seqlens=cu_seqlens,
+        state_v_first=state_v_first, gate="scalar", chunk_size=chunk_size,
+    )
+    scale, block_v, chunk_size = _scale(scale, q), _block_v(state_qdq_block_v), int(chunk_size)
+    if w_quantizer is not None:
+        w, u = _ops.gdn_wy_operands_reference(k, v, g, beta, cu_seqlens, chunk_size)
+        w = w_quantizer(w)
+        return _ops.gdn_wy_recurrence_reference(
+            q, k, w, u, g, initial_state, cu_seqlens, chunk_size, scale,
+            state_v_first, state_qdq, block_v,
+        )
+    op = _ops.chunk_gdn if prefer_kernels(q.device.type) else _ops.chunk_gdn_reference
+    return op(
+        q, k, v, g, beta, initial_state, cu_seqlens, chunk_size, scale,
+        state_v_first, state_qdq, block_v,
+    )
+
+
+def chunk_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    chunk_size: int = 64,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    state_v_first: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunked Kimi Delta Attention (per-key decay):
+    ``S_t = (I - beta_t k_t k_t^T) diag(exp(g_t)) S_{t-1} + beta_t k_t v_t^T``.
+
+    Args:
+        q, k, v, beta, chunk_size, scale, initial_state, cu_seqlens, state_v_first:
+            as :func:`chunk_gdn`.
+        g: ``[B, T, Hv, K]`` natural-log decay per token, value head and key channel.
+
+    Returns:
+        ``(o, final_state)`` as :func:`chunk_gdn`.
+
+    Raises:
+        ValueError, TypeError: as :func:`chunk_gdn`; ``g`` must be ``[B, T, Hv, K]``.
+
+    Source: Kimi Linear (Moonshot AI, 2025), KDA; as specified by
+    :func:`kdn_compile.reference.recurrent_delta_rule_reference` with a per-key gate.
+    """
+    check_delta_inputs(
+        q, k, v, g, beta, initial_state=initial_state, cu_seqlens=cu_seqlens,
+        state_v_first=state_v_first, gate="per_key", chunk_size=chunk_size,
+    )
+    op = _ops.chunk_kda if prefer_kernels(q.device.type) else _ops.chunk_kda_reference
+    return op(
+        q, k, v, g, beta, initial_state, cu_seqlens, int(chunk_size), _scale(scale, q),
+        state_v_first,
+    )
+
+
+def recurrent_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    state_v_first: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-by-token gated delta rule (the decode path): GDN when ``g`` is
+    ``[B, T, Hv]``, KDA when ``g`` is ``[B, T, Hv, K]``.
+
+    Arguments, returns and errors as :func:`chunk_gdn` (no chunking, no
+    quantization). Source: :func:`kdn_compile.reference.recurrent_delta_rule_reference`.
+    """
+    check_delta_inputs(
+        q, k, v, g, beta, initial_state=initial_state, cu_seqlens=cu_seqlens,
+        state_v_first=state_v_first, gate="any",
+    )
+    return _ops.recurrent_delta_rule_reference(
+        q, k, v, g, beta, initial_state, cu_seqlens, _scale(scale, q), state_v_first
+    )
+
+
+def diag_kdn(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    log_alpha: torch.Tensor,
+    omega: torch.Tensor,
+    r: torch.Tensor,
+    memory: torch.Tensor,
+    precision: torch.Tensor,
+    *,
+    scale: float,
+    info_scale: float,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    cu_seqlens: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Diagonal Kalman Delta Network: Kalman gains by a Mobius scan, then the
+    two-key delta-rule memory ``S_t = (I - kappa_t k_t^T) diag(alpha_t) S_{t-1} + kappa_t v_t^T``.
+
+    Args:
+        q, k: ``[B, T, H, K]`` (normalized, e.g. by
+            :func:`kdn_compile.reference.normalize_query_key`).
+        v: ``[B, T, H, V]``.
+        log_alpha: ``[B, T, H, K]`` natural-log retention; the covariance uses it
+            as is, the memory floors it at ``LOG_MEMORY_ALPHA_FLOOR = log(1e-6)``.
+        omega: ``[B, T, H, K]`` process noise (``>= 0``).
+        r: ``[B, T, H]`` observation noise (``> 0``).
+        memory: ``[N, H, K, V]`` memory carried in; precision: ``[N, H, K]``
+            (``1 / p``, ``> 0``) carried in (see
+            :func:`kdn_compile.reference.initial_state`).
+        scale: output scale; info_scale: weight of the information update.
+        chunk_size: tokens per chunk; cu_seqlens: ``[N + 1]`` packed boundaries, ``B == 1``.
+
+    Returns:
+        ``(o [B, T, H, V] in v's dtype, memory [N, H, K, V], precision [N, H, K])``,
+        the states in float32 (float64 for float64 inputs).
+
+    Raises:
+        ValueError, TypeError: on inconsistent shapes, dtypes or devices, as :func:`chunk_gdn`.
+
+    Source: the Diagonal KDN specification (:mod:`kdn_compile.reference.kdn`).
+    """
+    check_kdn_inputs(
+        q, k, v, log_alpha, omega, r, memory, precision, cu_seqlens=cu_seqlens,
+        chunk_size=chunk_size,
+    )
+    op = _ops.diag_kdn if prefer_kernels(q.device.type) else _ops.diag_kdn_reference
+    return op(
+        q, k, v, log_alpha, omega, r, memory, precision, cu_seqlens, float(scale),
+        float(info_scale), int(chunk_size),
+    )
+
+
+def state_fp8_qdq(state: torch.Tensor, block_v: int = 64) -> torch.Tensor:
+    """FP8 E4M3 quantize-dequantize of a key-first state ``[..., K, V]``.
+
+    One dynamic scale (``amax / 448``; 1 for an all-zero tile) per
+    ``[K, block_v]`` tile, the last tile may be partial; identity
+    (straight-through) gradient. Returns a tensor like ``state``.
+
+    Raises:
+        TypeError: ``state`` is not a float tensor.
+        ValueError: ``state`` has fewer than 2 dims, or ``block_v`` is not a positive int.
+
+    Source: :func:`kdn_compile.reference.state_fp8_qdq_reference`.
+    """
+    check_tensor("state", state)
+    if state.dim() < 2:
+        raise ValueError(f"state must be [..., K, V], got shape {tuple(state.shape)}")
+    if isinstance(block_v, bool) or not isinstance(block_v, int) or block_v < 1:
+        raise ValueError(f"block_v must be a positive int, got {block_v!r}")
+    return _ops.state_fp8_qdq_reference(state, block_v)

@@ -1,0 +1,12 @@
+"""Token-mixing layers built on the ``kdn`` ops: ``[B, T, D] -> [B, T, D]`` modules.
+
+Each layer's ``forward(x, state=None, cu_seqlens=None) -> (y, state)`` carries
+the short-convolution cache and the recurrent state, so prefill followed by
+token-by-token decode equals one pass over the whole sequence.
+"""
+
+from kdn_compile.layers.gdn import GatedDeltaNet
+from kdn_compile.layers.kda import KimiDeltaAttention
+from kdn_compile.layers.kdn import DiagKDN
+
+__all__ = ["GatedDeltaNet", "KimiDeltaAttention", "DiagKDN"]

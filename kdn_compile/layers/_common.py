@@ -1,0 +1,131 @@
+"""Pieces shared by the layers: short causal convolution, gated RMSNorm, gate init.
+
+Everything here is plain PyTorch so Inductor can fuse it around the ``kdn`` ops.
+Nothing branches on tensor values: the same code traces under
+``torch.compile(fullgraph=True, dynamic=True)`` and ``torch.export``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class ShortConv(nn.Module):
+    """Causal depthwise convolution over time followed by SiLU, with a decode cache.
+
+    The cache holds the last ``kernel_size - 1`` inputs of each sequence,
+    ``[N, channels, kernel_size - 1]``, so a sequence split across calls
+    (prefill, then token-by-token decode) gives the same outputs as one call.
+    With ``cu_seqlens`` (``B == 1``, ``N`` packed sequences) every tap reads only
+    from its own sequence, or from that sequence's cache row.
+
+    Args:
+        channels: number of channels ``C`` (one filter per channel).
+        kernel_size: taps per filter, default 4.
+    """
+
+    def __init__(self, channels: int, kernel_size: int = 4):
+        super().__init__()
+        if kernel_size < 2:
+            raise ValueError(f"kernel_size must be >= 2, got {kernel_size}")
+        self.kernel_size = kernel_size
+        self.weight = nn.Parameter(torch.empty(channels, kernel_size))
+        bound = kernel_size**-0.5  # nn.Conv1d's default for a depthwise filter
+        nn.init.uniform_(self.weight, -bound, bound)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cache: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x [B, T, C]`` -> ``(silu(conv(x)) [B, T, C], cache [N, C, kernel_size - 1])``."""
+        if cu_seqlens is None:
+            y, cache = self._fixed(x, cache)
+        else:
+            y, cache = self._packed(x, cache, cu_seqlens)
+        return F.silu(y), cache
+
+    def _empty_cache(self, x: torch.Tensor, rows: int) -> torch.Tensor:
+        return x.new_zeros((rows, x.shape[-1], self.kernel_size - 1))
+
+    def _fixed(self, x, cache):
+        if cache is None:
+            cache = self._empty_cache(x, x.shape[0])
+        padded = torch.cat((cache.to(x.dtype), x.transpose(1, 2)), dim=-1)
+        weight = self.weight.to(x.dtype)[:, None, :]
+        y = F.conv1d(padded, weight, groups=x.shape[-1])
+        return y.transpose(1, 2), padded[..., -(self.kernel_size - 1):]
+
+    def _packed(self, x, cache, cu_seqlens):
+        # One pool of rows: every sequence's cache, then the packed tokens. Each
+        # tap and each new cache entry is a gather from that pool, so a tap that
+        # reaches before its sequence's start lands in that sequence's cache.
+        tail = self.kernel_size - 1
+        count = cu_seqlens.shape[0] - 1
+        if cache is None:
+            cache = self._empty_cache(x, count)
+        pool = torch.cat((cache.to(x.dtype).transpose(1, 2).reshape(-1, x.shape[-1]), x[0]))
+        starts = cu_seqlens.to(torch.long)
+        steps = torch.arange(x.shape[1], device=x.device)
+        sequence = torch.searchsorted(starts[1:], steps, right=True)
+        position = steps - starts[sequence]
+
+        def row(seq, pos):
+            """Pool row of relative position ``pos`` (may be < 0) in sequence ``seq``."""
+            return torch.where(pos >= 0, count * tail + starts[seq] + pos, seq * tail + tail + pos)
+
+        y = sum(
+            pool[row(sequence, position - shift)] * self.weight[:, tail - shift].to(x.dtype)
+            for shift in range(self.kernel_size)
+        )
+        lengths = starts[1:] - starts[:-1]
+        last = lengths[:, None] - tail + torch.arange(tail, device=x.device)
+        ids = torch.arange(count, device=x.device)[:, None]
+        new_cache = pool[row(ids.expand_as(last), last)].transpose(1, 2)
+        return y[None], new_cache
+
+
+class GatedRMSNorm(nn.Module):
+    """``rmsnorm(o) * weight * silu(gate)`` over the last dim (one head's values).
+
+    Args:
+        dim: size of the normalized (last) dim.
+        eps: added to the mean square, default 1e-5.
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        wide = work(o)
+        normed = wide * torch.rsqrt(wide.square().mean(-1, keepdim=True) + self.eps)
+        return (normed * self.weight * F.silu(gate.to(normed.dtype))).to(o.dtype)
+
+
+def decay_rate_log(heads: int) -> torch.Tensor:
+    """``A_log`` init: ``log A`` with ``A ~ U(1, 16)`` per head (the usual Mamba2/GDN range)."""
+    return torch.empty(heads).uniform_(1.0, 16.0).log()
+
+
+def time_step_bias(size: int, dt_min: float = 1e-3, dt_max: float = 0.1) -> torch.Tensor:
+    """``dt_bias`` init: ``softplus^-1(dt)`` with ``dt`` log-uniform in ``[dt_min, dt_max]``."""
+    dt = torch.exp(torch.rand(size) * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min))
+    dt = dt.clamp_min(1e-4)
+    return dt + torch.log(-torch.expm1(-dt))
+
+
+def heads(x: torch.Tensor, count: int) -> torch.Tensor:
+    """``[B, T, count * d]`` -> ``[B, T, count, d]``."""
+    return x.unflatten(-1, (count, -1))
+
+
+def work(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in at least float32 (float64 stays float64)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))

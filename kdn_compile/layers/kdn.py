@@ -1,0 +1,110 @@
+"""Diagonal Kalman Delta Network layer: Kalman-gain delta rule with a learned noise model."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import kdn_compile
+from kdn_compile.layers._common import GatedRMSNorm, ShortConv, decay_rate_log, heads, time_step_bias, work
+from kdn_compile.reference import initial_precision_logit, initial_state, kalman_noise, normalize_query_key
+
+
+class DiagKDN(nn.Module):
+    """Diagonal Kalman Delta Network token mixer, ``[B, T, D] -> [B, T, D]``.
+
+    ``q, k, v`` come from linear projections through a short causal depthwise
+    convolution and SiLU, ``q, k`` normalized by
+    :func:`kdn_compile.reference.normalize_query_key`. Raw retention, process
+    noise and observation noise projections go through
+    :func:`kdn_compile.reference.kalman_noise` to ``log_alpha [B, T, H, K]``,
+    ``omega [B, T, H, K]``, ``r [B, T, H]`` and the learned prior precision
+    ``[H]``. :func:`kdn_compile.diag_kdn` runs the recurrence (Kalman gain in
+    place of GDN's ``beta``; see ``shared/spec`` for the math), then
+    ``rmsnorm(o) * silu(gate_proj(x))`` and the output projection.
+
+    Args:
+        hidden_size: model width ``D``.
+        num_heads: heads ``H`` (keys and values alike).
+        head_dim: key width ``K`` per head.
+        head_v_dim: value width ``V`` per head (default ``head_dim``).
+        info_scale: weight of each observation in the precision update (default 1).
+        conv_size: taps of the short convolution (default 4).
+        chunk_size: chunk length of the chunked memory recurrence (default 64).
+        norm_eps: epsilon of the output RMSNorm.
+
+    ``forward(x, state=None, cu_seqlens=None) -> (y, state)``: ``state`` is
+    ``None`` (start: zero memory, learned prior precision) or the dict returned
+    by the previous call, ``{"conv": [N, 2 * H * K + H * V, conv_size - 1],
+    "memory": [N, H, K, V], "precision": [N, H, K]}`` (memory and precision in
+    float32, float64 for float64 inputs).
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        head_dim: int,
+        *,
+        head_v_dim: int | None = None,
+        info_scale: float = 1.0,
+        conv_size: int = 4,
+        chunk_size: int = 64,
+        norm_eps: float = 1e-5,
+    ):
+        super().__init__()
+        head_v_dim = head_dim if head_v_dim is None else head_v_dim
+        self.num_heads, self.head_dim, self.head_v_dim = num_heads, head_dim, head_v_dim
+        self.info_scale, self.chunk_size = info_scale, chunk_size
+        key_width, value_width = num_heads * head_dim, num_heads * head_v_dim
+
+        self.q_proj = nn.Linear(hidden_size, key_width, bias=False)
+        self.k_proj = nn.Linear(hidden_size, key_width, bias=False)
+        self.v_proj = nn.Linear(hidden_size, value_width, bias=False)
+        self.conv = ShortConv(2 * key_width + value_width, conv_size)
+        self.retention_proj = nn.Linear(hidden_size, key_width, bias=False)
+        self.omega_proj = nn.Linear(hidden_size, key_width, bias=False)
+        self.r_proj = nn.Linear(hidden_size, num_heads, bias=False)
+        self.A_log = nn.Parameter(decay_rate_log(num_heads))
+        self.dt_bias = nn.Parameter(time_step_bias(key_width))
+        self.initial_precision_param = nn.Parameter(torch.full((num_heads,), initial_precision_logit()))
+        self.gate_proj = nn.Linear(hidden_size, value_width, bias=False)
+        self.norm = GatedRMSNorm(head_v_dim, norm_eps)
+        self.o_proj = nn.Linear(value_width, hidden_size, bias=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        state: dict[str, torch.Tensor] | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        conv_cache = None if state is None else state["conv"]
+        qkv = torch.cat((self.q_proj(x), self.k_proj(x), self.v_proj(x)), dim=-1)
+        qkv, conv_cache = self.conv(qkv, conv_cache, cu_seqlens)
+        key_width = self.num_heads * self.head_dim
+        q, k, v = qkv.split((key_width, key_width, self.num_heads * self.head_v_dim), dim=-1)
+        q, k = normalize_query_key(heads(q, self.num_heads), heads(k, self.num_heads))
+        v = work(heads(v, self.num_heads))
+        log_alpha, omega, r, prior = kalman_noise(
+            heads(self.retention_proj(x), self.num_heads),
+            heads(self.omega_proj(x), self.num_heads),
+            self.r_proj(x),
+            self.A_log,
+            self.dt_bias,
+            self.initial_precision_param,
+        )
+        if state is None:
+            rows = x.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+            memory, precision = initial_state(
+                prior.to(v.dtype), batch_size=rows, key_dim=self.head_dim, value_dim=self.head_v_dim
+            )
+        else:
+            memory, precision = state["memory"], state["precision"]
+        o, memory, precision = kdn_compile.diag_kdn(
+            q, k, v, log_alpha, omega, r, memory, precision,
+            scale=self.head_dim**-0.5, info_scale=self.info_scale,
+            chunk_size=self.chunk_size, cu_seqlens=cu_seqlens,
+        )
+        o = self.norm(o, heads(self.gate_proj(x), self.num_heads)).to(x.dtype)
+        state = {"conv": conv_cache, "memory": memory, "precision": precision}
+        return self.o_proj(o.flatten(-2)), state

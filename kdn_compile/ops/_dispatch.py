@@ -1,0 +1,34 @@
+"""Where a kernel op's body decides between launching Triton and the reference."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+def _tracing(x: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch._subclasses.functional_tensor import FunctionalTensor
+
+    return (
+        isinstance(x, (FakeTensor, FunctionalTensor))
+        or torch._guards.detect_fake_mode() is not None
+        or torch.compiler.is_compiling()
+    )
+
+
+def can_launch(x: torch.Tensor) -> bool:
+    """True when Triton kernels can run on ``x``'s device in this context.
+
+    On CUDA always (fake tensors included: ``wrap_triton`` traces them). On the
+    CPU only eagerly under ``TRITON_INTERPRET=1``: interpreted kernels cannot be
+    traced with fake tensors, so tracing on the CPU takes the reference.
+    """
+    if x.device.type == "cuda":
+        return True
+    return (
+        x.device.type == "cpu"
+        and os.environ.get("TRITON_INTERPRET") == "1"
+        and not _tracing(x)
+    )

@@ -1,0 +1,173 @@
+"""Building blocks of the ``kdn`` op layer.
+
+Each op family declares two forward ops with one schema:
+
+* ``kdn::<name>``: a :func:`torch.library.triton_op` whose body launches the
+  Triton kernels when it can and otherwise calls the reference op;
+* ``kdn::<name>_reference``: an opaque :func:`torch.library.custom_op` that runs
+  the exact PyTorch reference. Its fake implementation reads input shapes only,
+  so sequence lengths stay symbolic under ``torch.compile(dynamic=True)`` and
+  ``torch.export``; its body may read ``cu_seqlens`` on the CPU.
+
+Gradients of the reference path come from ``kdn::<name>_reference_bwd``, an op
+that differentiates the reference with :func:`torch.autograd.grad`. Autograd does
+not record inside an op's implementation (the dispatcher excludes the autograd
+keys below the autograd layer), so that op re-admits them for the duration of
+its body; this is what lets it pass ``opcheck`` and compile like any other op.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Callable, Sequence
+
+import torch
+from torch._library.infer_schema import infer_schema
+
+# The thread-local dispatch-key exclusions outside any op (autocast only):
+# restored inside reference backward ops so that autograd records there.
+_OUTSIDE_OP_EXCLUDE = torch._C._dispatch_tls_local_exclude_set()
+
+
+def _recording_autograd():
+    return torch._C._ForceDispatchKeyGuard(
+        torch._C._dispatch_tls_local_include_set(), _OUTSIDE_OP_EXCLUDE
+    )
+
+
+def _fresh(result):
+    """Outputs as new contiguous tensors, the layout every fake promises."""
+    if isinstance(result, torch.Tensor):
+        return result.detach().contiguous().clone()
+    return tuple(_fresh(r) for r in result)
+
+
+class FamilyOps:
+    """The ops of one family and how its autograd is wired.
+
+    Args:
+        name: op name without namespace, e.g. ``"chunk_gdn"``.
+        signature: a typed Python function whose parameters are the op's
+            arguments (tensors, optional tensors, ints, floats, bools) and whose
+            return annotation gives its outputs; it is never called.
+        reference: runs the exact reference with the op's arguments, returns
+            the op's outputs (a tensor or a tuple).
+        fake: output metadata from input shapes only (same arguments).
+        differentiable: names of the tensor arguments that get gradients.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        signature: Callable,
+        reference: Callable,
+        fake: Callable,
+        differentiable: Sequence[str],
+    ) -> None:
+        self.name = name
+        self.params = list(inspect.signature(signature).parameters)
+        self.differentiable = tuple(differentiable)
+        self.fake = fake
+        self.reference = reference
+        schema = infer_schema(signature, mutates_args=())
+        self.num_outputs = self._count_outputs(schema)
+
+        self.reference_op = torch.library.custom_op(
+            f"kdn::{name}_reference",
+            lambda *args: _fresh(reference(*args)),
+            mutates_args=(),
+            schema=schema,
+        )
+        self.reference_op.register_fake(fake)
+
+        grads = ", ".join(f"Tensor grad_{i}" for i in range(self.num_outputs))
+        bwd_schema = schema[: schema.rindex(") ->")] + f", {grads}) -> Tensor[]"
+        self.reference_bwd_op = torch.library.custom_op(
+            f"kdn::{name}_reference_bwd",
+            self._reference_vjp,
+            mutates_args=(),
+            schema=bwd_schema,
+        )
+        self.reference_bwd_op.register_fake(self._fake_grads)
+        self.attach_autograd(self.reference_op, self.reference_backward)
+
+    @staticmethod
+    def _count_outputs(schema: str) -> int:
+        returns = schema[schema.rindex("->") + 2 :].strip()
+        return returns.count("Tensor") if returns.startswith("(") else 1
+
+    # -- reference gradients -------------------------------------------------
+    def _split(self, args):
+        n = len(self.params)
+        return dict(zip(self.params, args[:n])), list(args[n:])
+
+    @staticmethod
+    def _absent(inputs: dict) -> torch.Tensor:
+        """The empty tensor that stands for the gradient of an absent optional input."""
+        anchor = next(x for x in inputs.values() if isinstance(x, torch.Tensor))
+        return anchor.new_empty(0)
+
+    def _fake_grads(self, *args):
+        inputs, _ = self._split(args)
+        return [
+            inputs[n].new_empty(inputs[n].shape) if inputs[n] is not None else self._absent(inputs)
+            for n in self.differentiable
+        ]
+
+    def _reference_vjp(self, *args):
+        inputs, grads = self._split(args)
+        with _recording_autograd(), torch.enable_grad():
+            leaves = {
+                n: (x.detach().requires_grad_() if n in self.differentiable and x is not None else x)
+                for n, x in inputs.items()
+            }
+            outputs = self.reference(*(leaves[n] for n in self.params))
+            outputs = (outputs,) if isinstance(outputs, torch.Tensor) else outputs
+            pairs = [(o, g) for o, g in zip(outputs, grads) if o.requires_grad]
+            wrt = [leaves[n] for n in self.differentiable if leaves[n] is not None]
+            found = (
+                torch.autograd.grad(
+                    [o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True
+                )
+                if pairs and wrt
+                else [None] * len(wrt)
+            )
+        found = iter(found)
+        result = []
+        for name in self.differentiable:
+            x = inputs[name]
+            if x is None:
+                result.append(self._absent(inputs))
+                continue
+            grad = next(found)
+            result.append(torch.zeros_like(x) if grad is None else grad.to(x.dtype).contiguous())
+        return result
+
+    def reference_backward(self, inputs: dict, grads: Sequence[torch.Tensor]) -> dict:
+        """Gradients of the differentiable inputs through the reference bwd op."""
+        values = self.reference_bwd_op(*(inputs[n] for n in self.params), *grads)
+        return dict(zip(self.differentiable, values))
+
+    # -- autograd wiring -----------------------------------------------------
+    def attach_autograd(self, op, backward: Callable[[dict, list], dict]) -> None:
+        """Register autograd for ``op``: ``backward(inputs, grads) -> {name: grad}``."""
+        params = self.params
+
+        def setup_context(ctx, inputs, output):
+            del output
+            tensors = [x if isinstance(x, torch.Tensor) else None for x in inputs]
+            ctx.save_for_backward(*tensors)
+            ctx.plain = [None if isinstance(x, torch.Tensor) else x for x in inputs]
+            ctx.was_tensor = [isinstance(x, torch.Tensor) for x in inputs]
+
+        def backward_fn(ctx, *grads):
+            saved = ctx.saved_tensors
+            values = [s if t else p for s, p, t in zip(saved, ctx.plain, ctx.was_tensor)]
+            inputs = dict(zip(params, values))
+            found = backward(inputs, list(grads))
+            return tuple(
+                found.get(n) if (n in self.differentiable and inputs[n] is not None) else None
+                for n in params
+            )
+
+        op.register_autograd(backward_fn, setup_context=setup_context)

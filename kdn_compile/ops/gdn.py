@@ -1,0 +1,127 @@
+"""``kdn`` ops of chunked Gated DeltaNet (scalar decay per token and value head).
+
+* ``kdn::chunk_gdn`` (triton_op) and ``kdn::chunk_gdn_reference``: the whole
+  chunked recurrence, optional FP8 state fake quantization included.
+* ``kdn::gdn_wy_operands_reference`` and ``kdn::gdn_wy_recurrence_reference``:
+  the same computation cut in two around the WY operand ``W`` so that a user's
+  ``w_quantizer`` (a Python callable, which no schema can carry) runs between
+  them in traced Python.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from kdn_compile import reference as ref
+from kdn_compile.ops._registry import FamilyOps
+from kdn_compile.ops._shapes import empty_state
+
+
+def _chunk_gdn_signature(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+    initial_state: Optional[Tensor], cu_seqlens: Optional[Tensor],
+    chunk_size: int, scale: float, state_v_first: bool,
+    state_qdq: bool, state_qdq_block_v: int,
+) -> tuple[Tensor, Tensor]: ...
+
+
+def _chunk_gdn_reference(
+    q, k, v, g, beta, initial_state, cu_seqlens, chunk_size, scale, state_v_first,
+    state_qdq, state_qdq_block_v,
+):
+    return ref.chunk_gdn_reference(
+        q, k, v, g, beta, chunk_size=chunk_size, scale=scale,
+        initial_state=initial_state, cu_seqlens=cu_seqlens, state_v_first=state_v_first,
+        state_qdq=state_qdq, state_qdq_block_v=state_qdq_block_v,
+    )
+
+
+def _chunk_gdn_fake(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size, scale,
+                    state_v_first, state_qdq, state_qdq_block_v):
+    state = empty_state(q, cu_seqlens, v.shape[2], k.shape[3], v.shape[3], state_v_first)
+    return torch.empty_like(v), state
+
+
+CHUNK_GDN = FamilyOps(
+    "chunk_gdn", _chunk_gdn_signature, _chunk_gdn_reference, _chunk_gdn_fake,
+    differentiable=("q", "k", "v", "g", "beta", "initial_state"),
+)
+
+
+@torch.library.triton_op("kdn::chunk_gdn", mutates_args=())
+def chunk_gdn_op(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+    initial_state: Optional[Tensor], cu_seqlens: Optional[Tensor],
+    chunk_size: int, scale: float, state_v_first: bool,
+    state_qdq: bool, state_qdq_block_v: int,
+) -> tuple[Tensor, Tensor]:
+    """Chunked GDN; launches Triton where it can, else the reference op."""
+    # Kernel branch: added with the GDN Triton kernels (lowering/).
+    return torch.ops.kdn.chunk_gdn_reference(
+        q, k, v, g, beta, initial_state, cu_seqlens, chunk_size, scale,
+        state_v_first, state_qdq, state_qdq_block_v,
+    )
+
+
+CHUNK_GDN.attach_autograd(chunk_gdn_op, CHUNK_GDN.reference_backward)
+
+
+# -- the w_quantizer path: W and U, then the recurrence over chunks ---------------
+
+
+def _wy_operands_signature(
+    k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+    cu_seqlens: Optional[Tensor], chunk_size: int,
+) -> tuple[Tensor, Tensor]: ...
+
+
+def _wy_operands_reference(k, v, g, beta, cu_seqlens, chunk_size):
+    return ref.gdn_wy_operands_reference(
+        k, v, g, beta, chunk_size=chunk_size, cu_seqlens=cu_seqlens
+    )
+
+
+def _wy_operands_fake(k, v, g, beta, cu_seqlens, chunk_size):
+    from kdn_compile.reference._common import work_dtype
+
+    dtype = work_dtype(k.dtype)
+    b, t, hv, dv = v.shape
+    return k.new_empty((b, t, hv, k.shape[3]), dtype=dtype), v.new_empty((b, t, hv, dv), dtype=dtype)
+
+
+GDN_WY_OPERANDS = FamilyOps(
+    "gdn_wy_operands", _wy_operands_signature, _wy_operands_reference,
+    _wy_operands_fake, differentiable=("k", "v", "g", "beta"),
+)
+
+
+def _wy_recurrence_signature(
+    q: Tensor, k: Tensor, w: Tensor, u: Tensor, g: Tensor,
+    initial_state: Optional[Tensor], cu_seqlens: Optional[Tensor],
+    chunk_size: int, scale: float, state_v_first: bool,
+    state_qdq: bool, state_qdq_block_v: int,
+) -> tuple[Tensor, Tensor]: ...
+
+
+def _wy_recurrence_reference(q, k, w, u, g, initial_state, cu_seqlens, chunk_size,
+                             scale, state_v_first, state_qdq, state_qdq_block_v):
+    return ref.gdn_wy_recurrence_reference(
+        q, k, w, u, g, chunk_size=chunk_size, scale=scale, initial_state=initial_state,
+        cu_seqlens=cu_seqlens, state_v_first=state_v_first, state_qdq=state_qdq,
+        state_qdq_block_v=state_qdq_block_v,
+    )
+
+
+def _wy_recurrence_fake(q, k, w, u, g, initial_state, cu_seqlens, chunk_size, scale,
+                        state_v_first, state_qdq, state_qdq_block_v):
+    o = q.new_empty(u.shape[:3] + (u.shape[3],))
+    return o, empty_state(q, cu_seqlens, u.shape[2], k.shape[3], u.shape[3], state_v_first)
+
+
+GDN_WY_RECURRENCE = FamilyOps(
+    "gdn_wy_recurrence", _wy_recurrence_signature, _wy_recurrence_reference,
+    _wy_recurrence_fake, differentiable=("q", "k", "w", "u", "g", "initial_state"),
+)
