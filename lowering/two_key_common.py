@@ -1,0 +1,144 @@
+"""Shared pieces of the two-key, per-key-decay chunked kernels (KDA and Diag-KDN memory).
+
+The recurrence, per value head, with state ``S [K, V]``::
+
+    S_t = (I - w_t k_t^T) diag(exp(c_t)) S_{t-1} + w_t v_t^T,   o_t = scale * S_t^T q_t
+
+Chunks hold ``BT = 64`` tokens split into four sub-blocks of ``BC = 16``. Inside a
+chunk the pair weights ``exp(c_t - c_s)`` (``s <= t``, ``c`` the in-chunk
+cumulative log decay per key channel) enter tensor-core products only as
+factored operands, never as ``exp(+large)``:
+
+* between sub-blocks ``j < i`` the factors are taken about the last token ``b``
+  of block ``j``: ``exp(c_t - c_b) <= 1`` and ``exp(c_b - c_s) <= 1`` for any
+  decay (no bound needed);
+* inside a sub-block each half of 8 tokens uses its 4th token ``r`` as the
+  reference: the largest exponent is ``4 * max|g|`` (3 tokens on the row side,
+  4 on the column side).
+
+Bound relied on: every per-token log decay ``g >= LOG_DECAY_BOUND = -20``
+(``4 * 20 = 80 < 88.7``, the float32 exponent limit); Diag-KDN floors its memory
+decay at ``log(1e-6) = -13.8``. Beyond about ``-22`` per token the diagonal
+blocks overflow. All chunk algebra runs in float32; tensor-core operands of the
+state products use the input dtype (bf16/fp16) or tf32 (fp32 inputs).
+
+Packed sequences: every kernel reads ``cu_seqlens`` on the device. Chunks are
+numbered globally; ``chunk_seq[i]`` is the sequence of chunk ``i`` (``N`` past
+the last real chunk) and ``chunk_first[n]`` the global index of sequence ``n``'s
+first chunk. Both are built with device ops (:func:`chunk_map`).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BT = 64  # tokens per chunk (the only supported chunk size)
+BC = 16  # sub-block of the intra-chunk algebra (smallest tensor-core tile)
+LOG_DECAY_BOUND = -20.0
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def two_key_kernel_supports(
+    q: torch.Tensor, v: torch.Tensor, *, chunk_size: int
+) -> bool:
+    """Whether the Triton kernels handle these inputs (else use the reference).
+
+    Needs CUDA (or the Triton interpreter on CPU), ``chunk_size == 64``, key and
+    value head sizes powers of two in ``[16, 256]`` and fp16/bf16/fp32 inputs.
+    Reads shapes and dtypes only.
+    """
+    key_dim, value_dim = q.shape[-1], v.shape[-1]
+
+    def pow2(n: int) -> bool:
+        return 16 <= n <= 256 and (n & (n - 1)) == 0
+
+    return (
+        chunk_size == BT
+        and pow2(key_dim)
+        and pow2(value_dim)
+        and q.dtype in _DTYPES
+        and v.dtype == q.dtype
+    )
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Dtype of stored intermediates and state-product operands."""
+    return dtype if dtype in (torch.float16, torch.bfloat16) else torch.float32
+
+
+def sequence_bounds(
+    batch: int, length: int, cu_seqlens: torch.Tensor | None, device: torch.device
+) -> tuple[torch.Tensor, int]:
+    """``(cu_seqlens as int32 on the device, N)``; fixed-length batches become packed."""
+    if cu_seqlens is None:
+        bounds = torch.arange(batch + 1, device=device, dtype=torch.int32) * length
+        return bounds, batch
+    return cu_seqlens.to(torch.int32), cu_seqlens.shape[0] - 1
+
+
+def num_chunks_bound(batch: int, length: int, num_seqs: int, varlen: bool) -> int:
+    """Upper bound on the number of chunks, from shapes only."""
+    if not varlen:
+        return batch * triton.cdiv(length, BT)
+    return triton.cdiv(length, BT) + num_seqs
+
+
+def chunk_map(
+    bounds: torch.Tensor, num_chunks: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(chunk_seq [num_chunks], chunk_first [N + 1])`` int32, built on the device."""
+    counts = (bounds[1:] - bounds[:-1] + (BT - 1)) // BT
+    first = torch.cat((counts.new_zeros(1), counts.cumsum(0))).to(torch.int32)
+    ids = torch.arange(num_chunks, device=bounds.device, dtype=torch.int32)
+    seq = torch.searchsorted(first, ids, right=True) - 1
+    return seq.to(torch.int32), first
+
+
+@triton.jit
+def load_rows(ptr, o_t, m_t, i_h, H: tl.constexpr, D: tl.constexpr):
+    """Rows ``o_t`` of head ``i_h`` of a token-major ``[tokens, H, D]`` tensor, float32."""
+    o_d = tl.arange(0, D)
+    p = ptr + (o_t[:, None].to(tl.int64) * H + i_h) * D + o_d[None, :]
+    return tl.load(p, mask=m_t[:, None], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def load_row(ptr, t, end, i_h, H: tl.constexpr, D: tl.constexpr):
+    """Row ``t`` ``[D]`` as float32, zeros unless ``t < end``."""
+    o_d = tl.arange(0, D)
+    m = (o_d * 0 + t) < end
+    return tl.load(ptr + (t.to(tl.int64) * H + i_h) * D + o_d, mask=m, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def store_rows(ptr, value, o_t, m_t, i_h, H: tl.constexpr, D: tl.constexpr):
+    o_d = tl.arange(0, D)
+    p = ptr + (o_t[:, None].to(tl.int64) * H + i_h) * D + o_d[None, :]
+    tl.store(p, value.to(ptr.dtype.element_ty), mask=m_t[:, None])
+
+
+@triton.jit
+def load_block(ptr, o_t, m_t, i_h, col0, H: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+    """``[BC, BC]`` block of a ``[tokens, H, BT]`` chunk matrix (rows ``o_t``, cols ``col0 + .``)."""
+    o_c = tl.arange(0, BC)
+    p = ptr + (o_t[:, None].to(tl.int64) * H + i_h) * BT + col0 + o_c[None, :]
+    return tl.load(p, mask=m_t[:, None], other=0.0)
+
+
+@triton.jit
+def store_block(ptr, value, o_t, m_t, i_h, col0, H: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+    o_c = tl.arange(0, BC)
+    p = ptr + (o_t[:, None].to(tl.int64) * H + i_h) * BT + col0 + o_c[None, :]
+    tl.store(p, value.to(ptr.dtype.element_ty), mask=m_t[:, None])
+
+
+@triton.jit
+def chunk_position(chunk_first, cu_seqlens, i_n, i_c, BT: tl.constexpr):
+    """``(first token, end token)`` of global chunk ``i_c`` of sequence ``i_n``."""
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    t0 = bos + (i_c - tl.load(chunk_first + i_n)).to(tl.int64) * BT
+    return t0, eos

@@ -1,0 +1,361 @@
+"""Forward of the two-key, per-key-decay chunked delta rule (KDA, Diag-KDN memory).
+
+Three launches (see :mod:`two_key_common` for the decay factoring and its bound):
+
+1. ``_two_key_fwd_intra_kernel`` (one program per chunk and value head): the
+   in-chunk cumulative log decay ``c``; the strictly lower ``A[t, s] = sum_i
+   k_ti e^{c_ti - c_si} w_si`` and the lower ``R`` (``q`` in place of ``k``,
+   diagonal included); ``T = (I + A)^-1`` (16 x 16 forward substitutions, then
+   block products); ``Wk = T (k e^c)`` and ``U = T v``.
+2. ``_two_key_fwd_state_kernel`` (one program per sequence, value head and value
+   tile, sequential over chunks): ``X = U - Wk S``,
+   ``S <- e^{c_last} S + (w e^{c_last - c})^T X``; saves each chunk's start state.
+3. ``_two_key_fwd_output_kernel`` (one program per chunk): ``o = scale((q e^c) S + R X)``.
+
+Math source: the WY form of :func:`kdn_compile.reference.two_key_chunk_recurrence`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch.library import wrap_triton
+
+from kdn_compile.lowering.two_key_common import (
+    BC,
+    BT,
+    chunk_map,
+    chunk_position,
+    compute_dtype,
+    load_block,
+    load_row,
+    load_rows,
+    num_chunks_bound,
+    sequence_bounds,
+    store_block,
+    store_rows,
+)
+
+
+@triton.jit
+def _unit_lower_inverse(a_ptr, row0, eos, i_h, col0, H: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+    """``(I + L)^-1`` of the strictly lower ``[BC, BC]`` diagonal block starting at token ``row0``."""
+    o_c = tl.arange(0, BC)
+    b_t = tl.zeros([BC, BC], dtype=tl.float32)
+    for r in range(BC):
+        row = row0 + r
+        p = a_ptr + (row.to(tl.int64) * H + i_h) * BT + col0 + o_c
+        b_a = tl.load(p, mask=(o_c < r) & ((o_c * 0 + row) < eos), other=0.0)
+        b_new = tl.where(o_c == r, 1.0, -tl.sum(b_a[:, None] * b_t, 0))
+        b_t = tl.where(o_c[:, None] == r, b_new[None, :], b_t)
+    return b_t
+
+
+@triton.jit
+def _diag_pair(b_ci, b_xi, b_wi, o_i, m_i, last, c, i_h, half, t_blk, Hv: tl.constexpr, K: tl.constexpr, BC: tl.constexpr):
+    """``sum_i x_ti e^{c_ti - c_si} w_si`` over columns ``s`` in one half of a diagonal block.
+
+    The factors are taken about the half's 4th token (clipped to the last valid one).
+    """
+    start = t_blk + half * (BC // 2)
+    r = tl.minimum(start + BC // 4 - 1, last)
+    b_cr = load_row(c, r, last + 1, i_h, Hv, K)
+    row_ok = m_i & (o_i >= start)
+    col_ok = row_ok & (o_i < start + BC // 2)
+    b_fr = tl.where(row_ok[:, None], tl.exp(b_ci - b_cr[None, :]), 0.0)
+    b_fc = tl.where(col_ok[:, None], tl.exp(b_cr[None, :] - b_ci), 0.0)
+    return tl.dot(b_xi * b_fr, tl.trans(b_wi * b_fc))
+
+
+@triton.jit
+def _two_key_fwd_intra_kernel(
+    q, k, w, v, g, c, tmat, rmat, wk, u,
+    cu_seqlens, chunk_seq, chunk_first, N,
+    Hk: tl.constexpr, Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BC: tl.constexpr,
+):
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    i_hk = i_h // (Hv // Hk)
+    i_n = tl.load(chunk_seq + i_c)
+    if i_n >= N:
+        return
+    t0, eos = chunk_position(chunk_first, cu_seqlens, i_n, i_c, BT)
+    last = tl.minimum(t0 + BT, eos) - 1
+
+    # In-chunk cumulative log decay, made visible to the whole program.
+    o_t = t0 + tl.arange(0, BT)
+    m_t = o_t < eos
+    b_c = tl.cumsum(load_rows(g, o_t, m_t, i_h, Hv, K), axis=0)
+    store_rows(c, b_c, o_t, m_t, i_h, Hv, K)
+    tl.debug_barrier()
+
+    # A (strictly lower) and R (lower) block by block; A goes to tmat as scratch.
+    o_c = tl.arange(0, BC)
+    for i in tl.static_range(BT // BC):
+        o_i = t0 + i * BC + o_c
+        m_i = o_i < eos
+        b_ci = load_rows(c, o_i, m_i, i_h, Hv, K)
+        b_ki = load_rows(k, o_i, m_i, i_hk, Hk, K)
+        b_qi = load_rows(q, o_i, m_i, i_hk, Hk, K)
+        for j in tl.static_range(BT // BC):
+            o_j = t0 + j * BC + o_c
+            if j < i:
+                m_j = o_j < eos
+                b = tl.minimum(t0 + j * BC + BC - 1, last)
+                b_cb = load_row(c, b, eos, i_h, Hv, K)
+                b_wj = load_rows(w, o_j, m_j, i_h, Hv, K)
+                b_cj = load_rows(c, o_j, m_j, i_h, Hv, K)
+                b_wc = tl.where(m_j[:, None], b_wj * tl.exp(b_cb[None, :] - b_cj), 0.0)
+                b_fr = tl.where(m_i[:, None], tl.exp(b_ci - b_cb[None, :]), 0.0)
+                b_a = tl.dot(b_ki * b_fr, tl.trans(b_wc))
+                b_r = tl.dot(b_qi * b_fr, tl.trans(b_wc))
+            elif j == i:
+                b_wi = load_rows(w, o_i, m_i, i_h, Hv, K)
+                b_a = _diag_pair(b_ci, b_ki, b_wi, o_i, m_i, last, c, i_h, 0, t0 + i * BC, Hv, K, BC)
+                b_a += _diag_pair(b_ci, b_ki, b_wi, o_i, m_i, last, c, i_h, 1, t0 + i * BC, Hv, K, BC)
+                b_r = _diag_pair(b_ci, b_qi, b_wi, o_i, m_i, last, c, i_h, 0, t0 + i * BC, Hv, K, BC)
+                b_r += _diag_pair(b_ci, b_qi, b_wi, o_i, m_i, last, c, i_h, 1, t0 + i * BC, Hv, K, BC)
+                b_a = tl.where(o_i[:, None] > o_j[None, :], b_a, 0.0)
+                b_r = tl.where(o_i[:, None] >= o_j[None, :], b_r, 0.0)
+            else:
+                b_a = tl.zeros([BC, BC], dtype=tl.float32)
+                b_r = tl.zeros([BC, BC], dtype=tl.float32)
+            store_block(tmat, b_a, o_i, m_i, i_h, j * BC, Hv, BT, BC)
+            store_block(rmat, b_r, o_i, m_i, i_h, j * BC, Hv, BT, BC)
+    tl.debug_barrier()
+
+    # T = (I + A)^-1: diagonal blocks by substitution, the rest by block products.
+    o_0 = t0 + o_c
+    o_1 = o_0 + BC
+    o_2 = o_1 + BC
+    o_3 = o_2 + BC
+    m_0, m_1, m_2, m_3 = o_0 < eos, o_1 < eos, o_2 < eos, o_3 < eos
+    t00 = _unit_lower_inverse(tmat, t0 + 0 * BC, eos, i_h, 0, Hv, BT, BC)
+    t11 = _unit_lower_inverse(tmat, t0 + 1 * BC, eos, i_h, BC, Hv, BT, BC)
+    t22 = _unit_lower_inverse(tmat, t0 + 2 * BC, eos, i_h, 2 * BC, Hv, BT, BC)
+    t33 = _unit_lower_inverse(tmat, t0 + 3 * BC, eos, i_h, 3 * BC, Hv, BT, BC)
+    a10 = load_block(tmat, o_1, m_1, i_h, 0, Hv, BT, BC)
+    a20 = load_block(tmat, o_2, m_2, i_h, 0, Hv, BT, BC)
+    a21 = load_block(tmat, o_2, m_2, i_h, BC, Hv, BT, BC)
+    a30 = load_block(tmat, o_3, m_3, i_h, 0, Hv, BT, BC)
+    a31 = load_block(tmat, o_3, m_3, i_h, BC, Hv, BT, BC)
+    a32 = load_block(tmat, o_3, m_3, i_h, 2 * BC, Hv, BT, BC)
+    tl.debug_barrier()
+    t10 = -tl.dot(t11, tl.dot(a10, t00, input_precision="ieee"), input_precision="ieee")
+    t21 = -tl.dot(t22, tl.dot(a21, t11, input_precision="ieee"), input_precision="ieee")
+    t20 = -tl.dot(
+        t22,
+        tl.dot(a20, t00, input_precision="ieee") + tl.dot(a21, t10, input_precision="ieee"),
+        input_precision="ieee",
+    )
+    t32 = -tl.dot(t33, tl.dot(a32, t22, input_precision="ieee"), input_precision="ieee")
+    t31 = -tl.dot(
+        t33,
+        tl.dot(a31, t11, input_precision="ieee") + tl.dot(a32, t21, input_precision="ieee"),
+        input_precision="ieee",
+    )
+    t30 = -tl.dot(
+        t33,
+        tl.dot(a30, t00, input_precision="ieee")
+        + tl.dot(a31, t10, input_precision="ieee")
+        + tl.dot(a32, t20, input_precision="ieee"),
+        input_precision="ieee",
+    )
+    b_zero = tl.zeros([BC, BC], dtype=tl.float32)
+    store_block(tmat, t00, o_0, m_0, i_h, 0, Hv, BT, BC)
+    store_block(tmat, b_zero, o_0, m_0, i_h, BC, Hv, BT, BC)
+    store_block(tmat, t10, o_1, m_1, i_h, 0, Hv, BT, BC)
+    store_block(tmat, t11, o_1, m_1, i_h, BC, Hv, BT, BC)
+    store_block(tmat, t20, o_2, m_2, i_h, 0, Hv, BT, BC)
+    store_block(tmat, t21, o_2, m_2, i_h, BC, Hv, BT, BC)
+    store_block(tmat, t22, o_2, m_2, i_h, 2 * BC, Hv, BT, BC)
+    store_block(tmat, t30, o_3, m_3, i_h, 0, Hv, BT, BC)
+    store_block(tmat, t31, o_3, m_3, i_h, BC, Hv, BT, BC)
+    store_block(tmat, t32, o_3, m_3, i_h, 2 * BC, Hv, BT, BC)
+    store_block(tmat, t33, o_3, m_3, i_h, 3 * BC, Hv, BT, BC)
+    for j in tl.static_range(2, BT // BC):
+        store_block(tmat, b_zero, o_0, m_0, i_h, j * BC, Hv, BT, BC)
+    for j in tl.static_range(2, BT // BC):
+        store_block(tmat, b_zero, o_1, m_1, i_h, j * BC, Hv, BT, BC)
+    store_block(tmat, b_zero, o_2, m_2, i_h, 3 * BC, Hv, BT, BC)
+
+    # Wk = T (k e^c), U = T v, block rows.
+    kd0 = load_rows(k, o_0, m_0, i_hk, Hk, K) * tl.exp(load_rows(c, o_0, m_0, i_h, Hv, K))
+    kd1 = load_rows(k, o_1, m_1, i_hk, Hk, K) * tl.exp(load_rows(c, o_1, m_1, i_h, Hv, K))
+    kd2 = load_rows(k, o_2, m_2, i_hk, Hk, K) * tl.exp(load_rows(c, o_2, m_2, i_h, Hv, K))
+    kd3 = load_rows(k, o_3, m_3, i_hk, Hk, K) * tl.exp(load_rows(c, o_3, m_3, i_h, Hv, K))
+    store_rows(wk, tl.dot(t00, kd0), o_0, m_0, i_h, Hv, K)
+    store_rows(wk, tl.dot(t10, kd0) + tl.dot(t11, kd1), o_1, m_1, i_h, Hv, K)
+    store_rows(wk, tl.dot(t20, kd0) + tl.dot(t21, kd1) + tl.dot(t22, kd2), o_2, m_2, i_h, Hv, K)
+    store_rows(
+        wk, tl.dot(t30, kd0) + tl.dot(t31, kd1) + tl.dot(t32, kd2) + tl.dot(t33, kd3),
+        o_3, m_3, i_h, Hv, K,
+    )
+    v0 = load_rows(v, o_0, m_0, i_h, Hv, V)
+    v1 = load_rows(v, o_1, m_1, i_h, Hv, V)
+    v2 = load_rows(v, o_2, m_2, i_h, Hv, V)
+    v3 = load_rows(v, o_3, m_3, i_h, Hv, V)
+    store_rows(u, tl.dot(t00, v0), o_0, m_0, i_h, Hv, V)
+    store_rows(u, tl.dot(t10, v0) + tl.dot(t11, v1), o_1, m_1, i_h, Hv, V)
+    store_rows(u, tl.dot(t20, v0) + tl.dot(t21, v1) + tl.dot(t22, v2), o_2, m_2, i_h, Hv, V)
+    store_rows(
+        u, tl.dot(t30, v0) + tl.dot(t31, v1) + tl.dot(t32, v2) + tl.dot(t33, v3),
+        o_3, m_3, i_h, Hv, V,
+    )
+
+
+@triton.jit
+def _two_key_fwd_state_kernel(
+    wk, u, w, c, h, x, h0, ht,
+    cu_seqlens, chunk_first, s_k, s_v,
+    Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BV: tl.constexpr, HAS_H0: tl.constexpr,
+):
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // Hv, i_nh % Hv
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    first = tl.load(chunk_first + i_n).to(tl.int64)
+    o_k = tl.arange(0, K)
+    o_v = i_v * BV + tl.arange(0, BV)
+    p_state = i_nh.to(tl.int64) * K * V + o_k[:, None] * s_k + o_v[None, :] * s_v
+    if HAS_H0:
+        b_s = tl.load(h0 + p_state).to(tl.float32)
+    else:
+        b_s = tl.zeros([K, BV], dtype=tl.float32)
+    for j in range(tl.cdiv(eos - bos, BT)):
+        t0 = bos + j * BT
+        o_t = t0 + tl.arange(0, BT)
+        m_t = o_t < eos
+        last = tl.minimum(t0 + BT, eos) - 1
+        p_h = h + ((first + j) * Hv + i_h) * K * V + o_k[:, None] * V + o_v[None, :]
+        tl.store(p_h, b_s.to(h.dtype.element_ty))
+        b_wk = tl.load(
+            wk + (o_t[:, None] * Hv + i_h) * K + o_k[None, :], mask=m_t[:, None], other=0.0
+        )
+        p_x = (o_t[:, None] * Hv + i_h) * V + o_v[None, :]
+        b_u = tl.load(u + p_x, mask=m_t[:, None], other=0.0).to(tl.float32)
+        b_x = b_u - tl.dot(b_wk, b_s.to(b_wk.dtype))
+        tl.store(x + p_x, b_x.to(x.dtype.element_ty), mask=m_t[:, None])
+        b_cl = load_row(c, last, eos, i_h, Hv, K)
+        b_wl = load_rows(w, o_t, m_t, i_h, Hv, K) * tl.exp(
+            b_cl[None, :] - load_rows(c, o_t, m_t, i_h, Hv, K)
+        )
+        b_wl = tl.where(m_t[:, None], b_wl, 0.0).to(b_wk.dtype)
+        b_s = b_s * tl.exp(b_cl)[:, None] + tl.dot(tl.trans(b_wl), b_x.to(b_wk.dtype))
+    tl.store(ht + p_state, b_s)
+
+
+@triton.jit
+def _two_key_fwd_output_kernel(
+    q, c, h, rmat, x, o,
+    cu_seqlens, chunk_seq, chunk_first, N, scale,
+    Hk: tl.constexpr, Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BV: tl.constexpr,
+):
+    i_c, i_v, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_hk = i_h // (Hv // Hk)
+    i_n = tl.load(chunk_seq + i_c)
+    if i_n >= N:
+        return
+    t0, eos = chunk_position(chunk_first, cu_seqlens, i_n, i_c, BT)
+    o_t = t0 + tl.arange(0, BT)
+    m_t = o_t < eos
+    o_k = tl.arange(0, K)
+    o_v = i_v * BV + tl.arange(0, BV)
+    b_h = tl.load(h + (i_c.to(tl.int64) * Hv + i_h) * K * V + o_k[:, None] * V + o_v[None, :])
+    b_qd = load_rows(q, o_t, m_t, i_hk, Hk, K) * tl.exp(load_rows(c, o_t, m_t, i_h, Hv, K))
+    b_qd = tl.where(m_t[:, None], b_qd, 0.0)
+    b_r = load_rows(rmat, o_t, m_t, i_h, Hv, BT)
+    p_x = (o_t[:, None] * Hv + i_h) * V + o_v[None, :]
+    b_x = tl.load(x + p_x, mask=m_t[:, None], other=0.0)
+    b_o = tl.dot(b_qd.to(b_h.dtype), b_h) + tl.dot(b_r.to(b_x.dtype), b_x)
+    tl.store(o + p_x, (scale * b_o).to(o.dtype.element_ty), mask=m_t[:, None])
+
+
+def _tokens_major(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1, t.shape[-2], t.shape[-1]).contiguous()
+
+
+def two_key_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    w: torch.Tensor,
+    v: torch.Tensor,
+    log_decay: torch.Tensor,
+    initial_state: torch.Tensor | None,
+    cu_seqlens: torch.Tensor | None,
+    *,
+    chunk_size: int,
+    scale: float,
+    state_v_first: bool,
+) -> tuple[torch.Tensor, ...]:
+    """Chunked two-key delta rule with per-key decay on the GPU (or the Triton interpreter).
+
+    Args:
+        q, k: ``[B, T, Hk, K]`` read and erase keys; value head ``h`` reads key
+            head ``h // (Hv // Hk)`` (the repeat is never materialized).
+        w: ``[B, T, Hv, K]`` write keys (``beta k`` for KDA, the Kalman gain for Diag-KDN).
+        v: ``[B, T, Hv, V]`` values.
+        log_decay: ``[B, T, Hv, K]`` natural-log decays, each ``>= -20`` (see
+            :mod:`two_key_common`); any float dtype.
+        initial_state: ``[N, Hv, K, V]`` (``[N, Hv, V, K]`` with ``state_v_first``) or None.
+        cu_seqlens: ``[N + 1]`` int32/int64 packed boundaries on the device (``B == 1``) or None.
+        chunk_size: must be 64 (see :func:`two_key_kernel_supports`).
+        scale: output scale.
+        state_v_first: layout of ``initial_state`` and the final state.
+
+    Returns:
+        ``(o, final_state, c, tmat, rmat, h, x, chunk_seq, chunk_first)``: ``o`` like
+        ``v``; ``final_state`` float32 in the state layout; the rest are saved for
+        :func:`two_key_bwd` (float32 cumulative decay ``c``, inverse ``T`` and readout
+        ``R`` per chunk row, chunk start states ``h``, innovations ``x``, chunk map).
+
+    Source of the math: :func:`kdn_compile.reference.two_key_chunk_recurrence`.
+    """
+    if chunk_size != BT:
+        raise ValueError(f"two_key_fwd supports chunk_size {BT}, got {chunk_size}")
+    batch, length, hk, key_dim = q.shape
+    hv, value_dim = v.shape[2], v.shape[3]
+    dt = compute_dtype(q.dtype)
+    bounds, num_seqs = sequence_bounds(batch, length, cu_seqlens, q.device)
+    num_chunks = num_chunks_bound(batch, length, num_seqs, cu_seqlens is not None)
+    chunk_seq, chunk_first = chunk_map(bounds, num_chunks)
+    qf, kf, wf, vf, gf = (_tokens_major(t) for t in (q, k, w, v, log_decay))
+    tokens = batch * length
+    c = q.new_empty((tokens, hv, key_dim), dtype=torch.float32)
+    tmat = q.new_empty((tokens, hv, BT), dtype=torch.float32)
+    rmat = q.new_empty((tokens, hv, BT), dtype=torch.float32)
+    wk = q.new_empty((tokens, hv, key_dim), dtype=dt)
+    u = q.new_empty((tokens, hv, value_dim), dtype=dt)
+    h = q.new_empty((num_chunks, hv, key_dim, value_dim), dtype=dt)
+    x = q.new_empty((tokens, hv, value_dim), dtype=dt)
+    o = v.new_empty((tokens, hv, value_dim))
+    state_shape = (num_seqs, hv, value_dim, key_dim) if state_v_first else (
+        num_seqs, hv, key_dim, value_dim)
+    final_state = q.new_empty(state_shape, dtype=torch.float32)
+    s_k, s_v = (1, key_dim) if state_v_first else (value_dim, 1)
+    h0 = initial_state.contiguous() if initial_state is not None else final_state
+
+    wrap_triton(_two_key_fwd_intra_kernel)[(num_chunks, hv)](
+        qf, kf, wf, vf, gf, c, tmat, rmat, wk, u,
+        bounds, chunk_seq, chunk_first, num_seqs,
+        Hk=hk, Hv=hv, K=key_dim, V=value_dim, BT=BT, BC=BC,
+        num_warps=4,
+    )
+    block_v = min(64, value_dim)
+    wrap_triton(_two_key_fwd_state_kernel)[(triton.cdiv(value_dim, block_v), num_seqs * hv)](
+        wk, u, wf, c, h, x, h0, final_state,
+        bounds, chunk_first, s_k, s_v,
+        Hv=hv, K=key_dim, V=value_dim, BT=BT, BV=block_v,
+        HAS_H0=initial_state is not None,
+        num_warps=4,
+    )
+    wrap_triton(_two_key_fwd_output_kernel)[(num_chunks, triton.cdiv(value_dim, block_v), hv)](
+        qf, c, h, rmat, x, o,
+        bounds, chunk_seq, chunk_first, num_seqs, scale,
+        Hk=hk, Hv=hv, K=key_dim, V=value_dim, BT=BT, BV=block_v,
+        num_warps=4,
+    )
+    return (o.view(v.shape), final_state, c, tmat, rmat, h, x, chunk_seq, chunk_first)
