@@ -140,7 +140,7 @@ class FamilyOps:
                 result.append(self._absent(inputs))
                 continue
             grad = next(found)
-            result.append(torch.zeros_like(x) if grad is None else grad.to(x.dtype).contiguous())
+            result.append(torch.zeros_like(x) if grad is None else grad.to(x.dtype).contiguous().clone())
         return result
 
     def reference_backward(self, inputs: dict, grads: Sequence[torch.Tensor]) -> dict:
