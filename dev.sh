@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# kdn_compile's one entry point: sets everything up (idempotent), then runs a task.
+#
+#   ./dev.sh demo [flags]     train the demo language model (kdn-compile demo)
+#   ./dev.sh test [pytest..]  run the test suite
+#   ./dev.sh docs             build the Sphinx docs with warnings as errors
+#   ./dev.sh check            capture report of every op on this device
+#
+# Set-up: a virtual environment in .venv that also sees the system's packages
+# (so a machine that already has torch >= 2.11, such as a CUDA box, keeps it);
+# otherwise the pinned CPU build torch==2.13.0 (an unpinned torch pulls a
+# multi-GB CUDA build) and triton==3.9.0, then this package, editable.
+set -euo pipefail
+cd "$(dirname "$0")"
+
+TORCH_PIN="torch==2.13.0"
+TRITON_PIN="triton==3.9.0"
+EXTRA_PINS=("pytest==9.2.0" "expecttest==0.3.0" "sphinx==9.0.4" "tqdm==4.70.1" "numpy")
+
+setup() {
+    if [ ! -x .venv/bin/python ]; then
+        "${PYTHON:-python3}" -m venv --system-site-packages .venv
+    fi
+    # shellcheck disable=SC1091
+    . .venv/bin/activate
+    local pip=(python -m pip install -q --disable-pip-version-check)
+    if ! python -c 'import sys, torch; sys.exit(tuple(map(int, torch.__version__.split("+")[0].split(".")[:2])) < (2, 11))' 2>/dev/null; then
+        "${pip[@]}" "$TORCH_PIN"
+    fi
+    if [ "$(uname -s)" = Linux ] && ! python -c 'import triton' 2>/dev/null; then
+        "${pip[@]}" "$TRITON_PIN"
+    fi
+    for pin in "${EXTRA_PINS[@]}"; do
+        module=${pin%%==*}
+        if ! python -c "import $module" 2>/dev/null; then
+            "${pip[@]}" "$pin" || echo "dev.sh: could not install $pin (offline?); continuing" >&2
+        fi
+    done
+    if ! python -c 'import kdn_compile.lowering' 2>/dev/null; then
+        "${pip[@]}" --no-deps --no-build-isolation -e .
+    fi
+}
+
+task=${1:-}
+[ $# -gt 0 ] && shift
+case "$task" in
+    demo)  setup; exec kdn-compile demo "$@" ;;
+    check) setup; exec kdn-compile check "$@" ;;
+    test)  setup; exec python -m pytest tests "$@" ;;
+    docs)  setup; exec python -m sphinx -W --keep-going -b html docs docs/_build/html "$@" ;;
+    *)     sed -n '2,8p' "$0"; exit 2 ;;
+esac
