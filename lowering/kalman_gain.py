@@ -1,0 +1,216 @@
+"""Launchers of the Diag-KDN Kalman gain kernels (forward and backward).
+
+Per batch ``b``, head ``h``, token ``t`` and key channel ``i``::
+
+    p_hat_t = exp(2 log_alpha_t) p_{t-1} + omega_t          (unfloored alpha)
+    kappa_t = p_hat_t k_t / (r_t + sum_i p_hat_ti k_ti^2)     (the gain)
+    1 / p_t = 1 / p_hat_t + info_scale k_t^2 / r_t
+
+from ``p_0 = 1 / precision``. The kernels (``kalman_gain_fwd.py``,
+``kalman_gain_bwd.py``) scan chunks of ``CHUNK`` tokens in parallel and chain
+the chunks with a short scan over chunk products. Launchers are fake-tensor
+safe: shapes only, no host reads; ``cu_seqlens`` is read on the device.
+Source: the Diag-KDN specification; oracle ``kdn_compile.reference.kalman_gain``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+from torch.library import wrap_triton
+
+from kdn_compile.lowering.kalman_gain_bwd import (
+    _kalman_gain_bwd_chunk_map_kernel,
+    _kalman_gain_bwd_chunk_scan_kernel,
+    _kalman_gain_bwd_kernel,
+)
+from kdn_compile.lowering.kalman_gain_token import (
+    _kalman_gain_token_bwd_kernel,
+    _kalman_gain_token_bwd_map_kernel,
+    _kalman_gain_token_fwd_kernel,
+    _kalman_gain_token_map_kernel,
+)
+from kdn_compile.lowering.kalman_gain_fwd import (
+    _kalman_gain_chunk_map_kernel,
+    _kalman_gain_chunk_scan_kernel,
+    _kalman_gain_fwd_kernel,
+)
+
+__all__ = ["kalman_gain_fwd", "kalman_gain_bwd", "kalman_gain_kernel_supports"]
+
+# Tokens per chunk of the in-chunk scans.
+CHUNK = 32
+# Chunks per step of the scan over chunks and channels per program of that scan,
+# on CUDA and under the CPU interpreter (which scans element by element).
+CHUNK_BLOCK = {"cuda": 64, "cpu": 8}
+CHANNEL_BLOCK = {"cuda": 32, "cpu": 16}
+# Channels per program of the forward chunk-map kernel (no reduction over K there).
+MAP_CHANNEL_BLOCK = 32
+MAX_KEY_DIM = 256
+# Which per-chunk kernels run: "scan" (in-chunk prefix scans) or "token" (token loop).
+VARIANT = "token"
+TOKEN_WARPS = 1
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def kalman_gain_kernel_supports(k, log_alpha, omega, r, precision, cu_seqlens=None) -> bool:
+    """True when the Triton kernels handle these inputs (shapes, dtypes, device).
+
+    ``k, log_alpha, omega`` ``[B, T, H, K]`` float16/bfloat16/float32 with
+    ``K <= 256``, ``r [B, T, H]``, ``precision [N, H, K]``, all on CUDA (or on the
+    CPU under ``TRITON_INTERPRET=1``); float64 goes to the reference.
+    """
+    tensors = (k, log_alpha, omega, r, precision)
+    if any(t.dtype not in _DTYPES for t in tensors):
+        return False
+    device = k.device.type
+    if device != "cuda" and not (device == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"):
+        return False
+    if any(t.device != k.device for t in tensors):
+        return False
+    if k.dim() != 4 or k.shape[-1] > MAX_KEY_DIM:
+        return False
+    if cu_seqlens is not None and (cu_seqlens.device != k.device or k.shape[0] != 1):
+        return False
+    return True
+
+
+def _chunks(k, cu_seqlens):
+    """``(N, NT, NC, chunk_seq, chunk_offsets)``: sequences, chunks per sequence, slots.
+
+    Fixed length: ``NT`` chunks per sequence, ``NC = B * NT``. Varlen: ``NC`` is
+    an upper bound ``cdiv(T, CHUNK) + N``; ``chunk_offsets [N + 1]`` is each
+    sequence's first slot and ``chunk_seq [NC]`` each slot's sequence (computed
+    with device ops; surplus slots point past their sequence's chunks).
+    """
+    batch, length = k.shape[0], k.shape[1]
+    if cu_seqlens is None:
+        nt = triton.cdiv(length, CHUNK)
+        return batch, nt, batch * nt, None, None
+    n = cu_seqlens.shape[0] - 1
+    counts = (cu_seqlens[1:] - cu_seqlens[:-1] + CHUNK - 1) // CHUNK
+    offsets = torch.cat((counts.new_zeros(1), counts.cumsum(0))).to(torch.int32)
+    nc = triton.cdiv(length, CHUNK) + n
+    slots = torch.arange(nc, device=k.device, dtype=torch.int32)
+    seq = torch.searchsorted(offsets[1:], slots, right=True).clamp_max(n - 1).to(torch.int32)
+    return n, 0, nc, seq, offsets
+
+
+def kalman_gain_fwd(k, log_alpha, omega, r, precision, cu_seqlens=None, *, info_scale: float):
+    """Gains and final precision of the Diag-KDN covariance recursion.
+
+    Args:
+        k, log_alpha, omega: ``[B, T, H, K]`` (k normalized, log_alpha natural log).
+        r: ``[B, T, H]`` observation noise (> 0).
+        precision: ``[N, H, K]`` initial precision ``1 / p_0`` (> 0).
+        cu_seqlens: ``[N + 1]`` int32/int64 sequence starts (``B == 1``) or None (``N = B``).
+        info_scale: weight of the information term of the precision update.
+
+    Returns:
+        ``(gain [B, T, H, K] float32, final_precision [N, H, K] float32,
+        chunk_covariance [NC, H, K], final_covariance [N, H, K])``; the last two
+        are saved for :func:`kalman_gain_bwd`.
+    """
+    k, log_alpha, omega, r = (t.contiguous() for t in (k, log_alpha, omega, r))
+    precision = precision.contiguous()
+    batch, length, heads, key_dim = k.shape
+    n, nt, nc, chunk_seq, chunk_offsets = _chunks(k, cu_seqlens)
+    varlen = cu_seqlens is not None
+    f32 = dict(device=k.device, dtype=torch.float32)
+    maps = torch.empty(nc, heads, 4, key_dim, **f32)
+    chunk_cov = torch.empty(nc, heads, key_dim, **f32)
+    final_cov = torch.empty(n, heads, key_dim, **f32)
+    final_precision = torch.empty(n, heads, key_dim, **f32)
+    gain = torch.empty(batch, length, heads, key_dim, **f32)
+    bk = triton.next_power_of_2(key_dim)
+    bc, bc_k = CHUNK_BLOCK[k.device.type], CHANNEL_BLOCK[k.device.type]
+    sizes = dict(T=length, NT=nt, H=heads, K=key_dim)
+    if VARIANT == "token":
+        wrap_triton(_kalman_gain_token_map_kernel)[(nc, heads)](
+            k, log_alpha, omega, r, maps, cu_seqlens, chunk_seq, chunk_offsets,
+            info_scale=info_scale, **sizes, BT=CHUNK, BK=bk, IS_VARLEN=varlen,
+            num_warps=TOKEN_WARPS,
+        )
+    else:
+        wrap_triton(_kalman_gain_chunk_map_kernel)[(nc, heads, triton.cdiv(key_dim, MAP_CHANNEL_BLOCK))](
+            k, log_alpha, omega, r, maps, cu_seqlens, chunk_seq, chunk_offsets,
+            info_scale=info_scale, **sizes, BT=CHUNK, BK=MAP_CHANNEL_BLOCK, IS_VARLEN=varlen,
+            num_warps=4,
+        )
+    wrap_triton(_kalman_gain_chunk_scan_kernel)[(n, heads, triton.cdiv(key_dim, bc_k))](
+        precision, maps, chunk_cov, final_cov, final_precision, cu_seqlens, chunk_offsets,
+        **sizes, BC=bc, BK=bc_k, IS_VARLEN=varlen, num_warps=4,
+    )
+    fwd_kernel = _kalman_gain_token_fwd_kernel if VARIANT == "token" else _kalman_gain_fwd_kernel
+    wrap_triton(fwd_kernel)[(nc, heads)](
+        k, log_alpha, omega, r, chunk_cov, gain, cu_seqlens, chunk_seq, chunk_offsets,
+        info_scale=info_scale, **sizes, BT=CHUNK, BK=bk, IS_VARLEN=varlen,
+        num_warps=TOKEN_WARPS if VARIANT == "token" else 8,
+    )
+    return gain, final_precision, chunk_cov, final_cov
+
+
+def kalman_gain_bwd(
+    k, log_alpha, omega, r, precision, cu_seqlens, chunk_covariance, final_covariance,
+    dgain, dprecision, *, info_scale: float,
+):
+    """Gradients of :func:`kalman_gain_fwd` given ``dgain`` and ``dprecision``.
+
+    Args: the forward's inputs, its saved ``chunk_covariance`` and
+    ``final_covariance``, ``dgain [B, T, H, K]`` and ``dprecision [N, H, K]``
+    (gradient of the final precision, or None for zero).
+
+    Returns:
+        ``(dk, dlog_alpha, domega, dr, dprecision0)`` in the dtypes of
+        ``k, log_alpha, omega, r, precision``.
+    """
+    k, log_alpha, omega, r = (t.contiguous() for t in (k, log_alpha, omega, r))
+    precision, dgain = precision.contiguous(), dgain.contiguous()
+    if dprecision is not None:
+        dprecision = dprecision.contiguous()
+    batch, length, heads, key_dim = k.shape
+    n, nt, nc, chunk_seq, chunk_offsets = _chunks(k, cu_seqlens)
+    varlen = cu_seqlens is not None
+    f32 = dict(device=k.device, dtype=torch.float32)
+    adj_maps = torch.empty(nc, heads, 2, key_dim, **f32)
+    chunk_adj = torch.empty(nc, heads, key_dim, **f32)
+    dk, dlog_alpha, domega = (torch.empty_like(t) for t in (k, log_alpha, omega))
+    dr, dprecision0 = torch.empty_like(r), torch.empty_like(precision)
+    bk = triton.next_power_of_2(key_dim)
+    bc, bc_k = CHUNK_BLOCK[k.device.type], CHANNEL_BLOCK[k.device.type]
+    sizes = dict(T=length, NT=nt, H=heads, K=key_dim)
+    if VARIANT == "token":
+        prev_cov = torch.empty(k.shape, **f32)
+        wrap_triton(_kalman_gain_token_bwd_map_kernel)[(nc, heads)](
+            k, log_alpha, omega, r, chunk_covariance, dgain, adj_maps, prev_cov,
+            cu_seqlens, chunk_seq, chunk_offsets,
+            info_scale=info_scale, **sizes, BT=CHUNK, BK=bk, IS_VARLEN=varlen,
+            num_warps=TOKEN_WARPS,
+        )
+    else:
+        wrap_triton(_kalman_gain_bwd_chunk_map_kernel)[(nc, heads)](
+            k, log_alpha, omega, r, chunk_covariance, dgain, adj_maps,
+            cu_seqlens, chunk_seq, chunk_offsets,
+            info_scale=info_scale, **sizes, BT=CHUNK, BK=bk, IS_VARLEN=varlen, num_warps=8,
+        )
+    wrap_triton(_kalman_gain_bwd_chunk_scan_kernel)[(n, heads, triton.cdiv(key_dim, bc_k))](
+        precision, final_covariance, dprecision, adj_maps, chunk_adj, dprecision0,
+        cu_seqlens, chunk_offsets, **sizes, BC=bc, BK=bc_k,
+        IS_VARLEN=varlen, HAS_DPRECISION=dprecision is not None, num_warps=4,
+    )
+    if VARIANT == "token":
+        wrap_triton(_kalman_gain_token_bwd_kernel)[(nc, heads)](
+            k, log_alpha, omega, r, prev_cov, chunk_adj, dgain,
+            dk, dlog_alpha, domega, dr, cu_seqlens, chunk_seq, chunk_offsets,
+            info_scale=info_scale, **sizes, BT=CHUNK, BK=bk, IS_VARLEN=varlen,
+            num_warps=TOKEN_WARPS,
+        )
+        return dk, dlog_alpha, domega, dr, dprecision0
+    wrap_triton(_kalman_gain_bwd_kernel)[(nc, heads)](
+        k, log_alpha, omega, r, chunk_covariance, chunk_adj, dgain,
+        dk, dlog_alpha, domega, dr, cu_seqlens, chunk_seq, chunk_offsets,
+        info_scale=info_scale, **sizes, BT=CHUNK, BK=bk, IS_VARLEN=varlen, num_warps=8,
+    )
+    return dk, dlog_alpha, domega, dr, dprecision0
