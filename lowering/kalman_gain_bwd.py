@@ -9,17 +9,16 @@ With ``lam_t = dL/dp_t`` (the adjoint of the covariance after token ``t``),
 
 and ``mu_t = dL/dp_hat_t = rho_t^2 lam_t + e_t`` gives every gradient::
 
-    domega_t    = mu_t
+    domega_t     = mu_t
     dlog_alpha_t = 2 a^2_t p_{t-1} mu_t
-    dk_t        = p_hat_t (u_t - 2 c_t k_t) / D_t - 2 info_scale k_t lam_t p_t^2 / r_t
-    dr_t        = -c_t / D_t + sum_i lam_ti p_ti^2 I_ti / r_t
-    dprecision0 = -lam_0 p_0^2
+    dk_t         = p_hat_t (u_t - 2 c_t k_t) / D_t - 2 info_scale k_t lam_t p_t^2 / r_t
+    dr_t         = -c_t / D_t + sum_i lam_ti p_ti^2 I_ti / r_t
+    dprecision0  = -lam_0 p_0^2
 
-Three stages mirror the forward: each chunk's composed affine map (parallel),
-a reverse scan over chunks for the adjoint leaving every chunk, and the
-per-token gradients of each chunk (parallel). Inside a chunk the adjoints are
-an exclusive reverse scan: the scan carries, per segment, the composition of
-all its maps and the composition of all but the one applied last.
+Three stages mirror the forward: each chunk's composed affine map from a
+forward walk that also keeps ``p_{t-1}`` in a ``[B, T, H, K]`` scratch (all
+chunks in parallel); a reverse scan over chunks for the adjoint entering every
+chunk at its last token; a reverse walk of each chunk for the gradients.
 Source: derived from the forward recurrence in ``kdn_compile.reference.kdn``.
 """
 
@@ -28,7 +27,12 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kdn_compile.lowering.kalman_gain_fwd import _chunk_bounds, _chunk_covariances
+from kdn_compile.lowering.kalman_gain_fwd import (
+    _chunk_bounds,
+    _sequence_chunks,
+    _token_inputs,
+    _token_mask,
+)
 
 
 @triton.jit
@@ -38,69 +42,53 @@ def _affine_combine(a0, a1, b0, b1):
 
 
 @triton.jit
-def _affine_rest_combine(a0, a1, ar0, ar1, b0, b1, br0, br1):
-    """Segments ``a`` then ``b`` as (all maps, all but the last applied)."""
-    return a0 * b0, a1 * b0 + b1, a0 * br0, a1 * br0 + br1
-
-
-@triton.jit
-def _adjoint_maps(k, log_alpha, omega, r, chunk_cov, dgain, i_c, i_h, o_t, m_t, o_k, m_k,
-                  info_scale, H, K):
-    """Per-token adjoint maps ``(a^2 rho^2, a^2 e)`` and what the gradients need."""
-    b_prev, b_a2, b_k, b_w, b_r = _chunk_covariances(
-        k + i_h * K, log_alpha + i_h * K, omega + i_h * K, r + i_h, chunk_cov + i_h * K,
-        i_c, o_t, m_t, o_k, m_k, info_scale, H, K)
-    o = (o_t * H * K)[:, None] + (i_h * K + o_k)[None, :]
-    b_u = tl.load(dgain + o, mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
-    b_ph = b_a2 * b_prev + b_w
-    b_i = info_scale * b_k * b_k / b_r[:, None]
-    b_rho = 1.0 / (1.0 + b_i * b_ph)
-    b_d = b_r + tl.sum(b_ph * b_k * b_k, 1)
-    b_c = tl.sum(b_u * b_ph * b_k, 1) / b_d
-    b_e = b_k * (b_u - b_c[:, None] * b_k) / b_d[:, None]
-    return b_a2 * b_rho * b_rho, b_a2 * b_e, b_prev, b_a2, b_k, b_r, b_u, b_ph, b_i, b_rho, b_d, b_c, b_e
-
-
-@triton.jit
 def _kalman_gain_bwd_chunk_map_kernel(
-    k, log_alpha, omega, r, chunk_cov, dgain, adj_maps, cu_seqlens, chunk_seq, chunk_offsets,
+    k, log_alpha, omega, r, chunk_cov, dgain, adj_maps, prev_cov,
+    cu_seqlens, chunk_seq, chunk_offsets,
     info_scale, T, NT, H, K,
-    BT: tl.constexpr, BK: tl.constexpr, IS_VARLEN: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, IS_VARLEN: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
-    """Composed adjoint map of one chunk: ``lam`` leaving it from ``lam`` entering at its end."""
-    i_c, i_h = tl.program_id(0), tl.program_id(1)
-    i_c = i_c.to(tl.int64)
-    i_n, t0, eos = _chunk_bounds(i_c, cu_seqlens, chunk_seq, chunk_offsets, T, NT, BT, IS_VARLEN)
+    """Composed adjoint map of one chunk and head; keeps ``p_{t-1}`` in ``prev_cov``."""
+    i_c, i_h = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    t0, eos = _chunk_bounds(i_c, cu_seqlens, chunk_seq, chunk_offsets, T, NT, BT, IS_VARLEN)
     if t0 >= eos:
         return
-    o_t = t0 + tl.arange(0, BT)
-    m_t = o_t < eos
     o_k = tl.arange(0, BK)
+    b_p = tl.load(chunk_cov + (i_c * H + i_h) * K + o_k, mask=o_k < K, other=1.0)
+    b_a = tl.full([BK], 1.0, tl.float32)
+    b_b = tl.zeros([BK], tl.float32)
+    for i in tl.range(0, BT, num_stages=NUM_STAGES):
+        t = t0 + i
+        b_k, b_a2, b_w, b_r, b_rr, b_i = _token_inputs(
+            k + i_h * K, log_alpha + i_h * K, omega + i_h * K, r + i_h, t, eos,
+            o_k, H, K, info_scale)
+        o = t * H * K + i_h * K + o_k
+        m = _token_mask(t, eos, o_k, K)
+        b_u = tl.load(dgain + o, mask=m, other=0.0).to(tl.float32)
+        tl.store(prev_cov + o, b_p, mask=m)
+        b_ph = b_a2 * b_p + b_w
+        b_rho = 1.0 / (1.0 + b_i * b_ph)
+        b_d = 1.0 / (b_r + tl.sum(b_ph * b_k * b_k, 0))
+        b_c = tl.sum(b_u * b_ph * b_k, 0) * b_d
+        # The maps so far (applied last) after G_t = (a^2 rho^2, a^2 e_t).
+        b_b += b_a * b_a2 * b_k * (b_u - b_c * b_k) * b_d
+        b_a *= b_a2 * b_rho * b_rho
+        b_p = b_ph * b_rho
     m_k = o_k < K
-    out = _adjoint_maps(k, log_alpha, omega, r, chunk_cov, dgain, i_c, i_h, o_t, m_t, o_k, m_k,
-                        info_scale, H, K)
-    b_a, b_b = tl.associative_scan((out[0], out[1]), 0, _affine_combine, reverse=True)
-    first = (tl.arange(0, BT) == 0)[:, None]
     p_m = adj_maps + (i_c * H + i_h) * 2 * K + o_k
-    tl.store(p_m, tl.sum(tl.where(first, b_a, 0.0), 0), mask=m_k)
-    tl.store(p_m + K, tl.sum(tl.where(first, b_b, 0.0), 0), mask=m_k)
+    tl.store(p_m, b_a, mask=m_k)
+    tl.store(p_m + K, b_b, mask=m_k)
 
 
 @triton.jit
 def _kalman_gain_bwd_chunk_scan_kernel(
-    precision, final_cov, dprecision, adj_maps, chunk_adj, dprecision0, cu_seqlens, chunk_offsets,
-    T, NT, H, K,
+    precision, final_cov, dprecision, adj_maps, chunk_adj, dprecision0, chunk_offsets,
+    NT, H, K,
     BC: tl.constexpr, BK: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_DPRECISION: tl.constexpr,
 ):
     """Adjoint entering every chunk (at its last token) of one sequence, last chunk first."""
-    i_n, i_h, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_n = i_n.to(tl.int64)
-    if IS_VARLEN:
-        c0 = tl.load(chunk_offsets + i_n).to(tl.int64)
-        n_c = tl.load(chunk_offsets + i_n + 1).to(tl.int64) - c0
-    else:
-        c0 = i_n * NT
-        n_c = (i_n + 1) * NT - c0
+    i_n, i_h, i_k = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
+    c0, n_c = _sequence_chunks(i_n, chunk_offsets, NT, IS_VARLEN)
     o_k = i_k * BK + tl.arange(0, BK)
     m_k = o_k < K
     o_s = (i_n * H + i_h) * K + o_k
@@ -114,8 +102,7 @@ def _kalman_gain_bwd_chunk_scan_kernel(
     n_b = tl.cdiv(n_c, BC)
     for j in range(0, n_b):
         o_c = (n_b - 1 - j) * BC + tl.arange(0, BC)
-        m_c = o_c < n_c
-        m = m_c[:, None] & m_k[None, :]
+        m = (o_c < n_c)[:, None] & m_k[None, :]
         p_m = adj_maps + (((c0 + o_c) * H + i_h) * 2 * K)[:, None] + o_k[None, :]
         b_a = tl.load(p_m, mask=m, other=1.0)
         b_b = tl.load(p_m + K, mask=m, other=0.0)
@@ -132,36 +119,38 @@ def _kalman_gain_bwd_chunk_scan_kernel(
 
 @triton.jit
 def _kalman_gain_bwd_kernel(
-    k, log_alpha, omega, r, chunk_cov, chunk_adj, dgain,
+    k, log_alpha, omega, r, prev_cov, chunk_adj, dgain,
     dk, dlog_alpha, domega, dr, cu_seqlens, chunk_seq, chunk_offsets,
     info_scale, T, NT, H, K,
-    BT: tl.constexpr, BK: tl.constexpr, IS_VARLEN: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, IS_VARLEN: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
-    """Gradients of one chunk and head from the adjoint entering at its last token."""
-    i_c, i_h = tl.program_id(0), tl.program_id(1)
-    i_c = i_c.to(tl.int64)
-    i_n, t0, eos = _chunk_bounds(i_c, cu_seqlens, chunk_seq, chunk_offsets, T, NT, BT, IS_VARLEN)
+    """Gradients of one chunk and head, walking its tokens in reverse."""
+    i_c, i_h = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    t0, eos = _chunk_bounds(i_c, cu_seqlens, chunk_seq, chunk_offsets, T, NT, BT, IS_VARLEN)
     if t0 >= eos:
         return
-    o_t = t0 + tl.arange(0, BT)
-    m_t = o_t < eos
     o_k = tl.arange(0, BK)
-    m_k = o_k < K
-    b_ga, b_gb, b_prev, b_a2, b_k, b_r, b_u, b_ph, b_i, b_rho, b_d, b_c, b_e = _adjoint_maps(
-        k, log_alpha, omega, r, chunk_cov, dgain, i_c, i_h, o_t, m_t, o_k, m_k, info_scale, H, K)
-    b_ra = tl.full(b_ga.shape, 1.0, tl.float32)
-    b_rb = tl.zeros(b_ga.shape, tl.float32)
-    b_ga, b_gb, b_ra, b_rb = tl.associative_scan(
-        (b_ga, b_gb, b_ra, b_rb), 0, _affine_rest_combine, reverse=True)
-    b_lam_in = tl.load(chunk_adj + (i_c * H + i_h) * K + o_k, mask=m_k, other=0.0)[None, :]
-    b_lam = b_ra * b_lam_in + b_rb
-    b_mu = b_rho * b_rho * b_lam + b_e
-    b_lp = b_lam * (b_ph * b_rho) * (b_ph * b_rho)
-    o = (o_t * H * K)[:, None] + (i_h * K + o_k)[None, :]
-    m = m_t[:, None] & m_k[None, :]
-    tl.store(domega + o, b_mu, mask=m)
-    tl.store(dlog_alpha + o, 2.0 * b_a2 * b_prev * b_mu, mask=m)
-    b_dk = b_ph * (b_u - 2.0 * b_c[:, None] * b_k) / b_d[:, None] - 2.0 * info_scale * b_k * b_lp / b_r[:, None]
-    tl.store(dk + o, b_dk, mask=m)
-    b_dr = -b_c / b_d + tl.sum(b_lp * b_i, 1) / b_r
-    tl.store(dr + o_t * H + i_h, b_dr, mask=m_t)
+    o_1 = tl.arange(0, 1)
+    b_lam = tl.load(chunk_adj + (i_c * H + i_h) * K + o_k, mask=o_k < K, other=0.0)
+    for i in tl.range(0, BT, num_stages=NUM_STAGES):
+        t = t0 + BT - 1 - i
+        b_k, b_a2, b_w, b_r, b_rr, b_i = _token_inputs(
+            k + i_h * K, log_alpha + i_h * K, omega + i_h * K, r + i_h, t, eos,
+            o_k, H, K, info_scale)
+        o = t * H * K + i_h * K + o_k
+        m = _token_mask(t, eos, o_k, K)
+        b_u = tl.load(dgain + o, mask=m, other=0.0).to(tl.float32)
+        b_prev = tl.load(prev_cov + o, mask=m, other=1.0)
+        b_ph = b_a2 * b_prev + b_w
+        b_rho = 1.0 / (1.0 + b_i * b_ph)
+        b_d = 1.0 / (b_r + tl.sum(b_ph * b_k * b_k, 0))
+        b_c = tl.sum(b_u * b_ph * b_k, 0) * b_d
+        b_lp = b_lam * (b_ph * b_rho) * (b_ph * b_rho)
+        b_mu = b_rho * b_rho * b_lam + b_k * (b_u - b_c * b_k) * b_d
+        tl.store(domega + o, b_mu, mask=m)
+        tl.store(dlog_alpha + o, 2.0 * b_a2 * b_prev * b_mu, mask=m)
+        b_dk = b_ph * (b_u - 2.0 * b_c * b_k) * b_d - 2.0 * info_scale * b_k * b_lp * b_rr
+        tl.store(dk + o, b_dk, mask=m)
+        b_dr = (tl.sum(b_lp * b_i, 0) * b_rr - b_c * b_d) + tl.zeros([1], tl.float32)
+        tl.store(dr + t * H + i_h + o_1, b_dr, mask=_token_mask(t, eos, o_1, 1))
+        b_lam = b_a2 * b_mu

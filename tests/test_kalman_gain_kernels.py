@@ -1,0 +1,165 @@
+"""Kalman gain kernels (lowering/kalman_gain*.py) against the float64 references.
+
+Forward (gains, final precision) and every gradient (k, log_alpha, omega, r,
+precision) against ``reference.kalman_gain`` under autograd in float64; the
+final precision also against the token loop ``diag_kdn_recurrent``. Fixed
+length and varlen (``cu_seqlens``, empty and one-token sequences), outputs
+poisoned with NaN, gates at the extremes. Without CUDA the kernels run in the
+Triton interpreter at tiny sizes; the CUDA cases skip without a GPU.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from kdn_compile.lowering.kalman_gain import (  # noqa: E402
+    kalman_gain_bwd,
+    kalman_gain_fwd,
+    kalman_gain_kernel_supports,
+)
+from kdn_compile.reference import diag_kdn_recurrent, kalman_gain  # noqa: E402
+
+from _helpers import assert_close  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+INFO_SCALE = 0.7
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def gain_inputs(B, T, H, K, *, N=None, seed=0, log_alpha_min=-3.0, r_min=0.01):
+    """float64 ``(k, log_alpha, omega, r, precision)``; k unit-norm, gates in (log_alpha_min, 0)."""
+    gen = torch.Generator().manual_seed(seed)
+    rand = lambda *s: torch.rand(*s, generator=gen, dtype=torch.float64)  # noqa: E731
+    k = F.normalize(torch.randn(B, T, H, K, generator=gen, dtype=torch.float64), dim=-1)
+    log_alpha = log_alpha_min * rand(B, T, H, K)
+    omega = 2.0 * rand(B, T, H, K)
+    r = r_min + rand(B, T, H)
+    precision = 0.1 + 2.0 * rand(N or B, H, K)
+    return k, log_alpha, omega, r, precision
+
+
+def reference(x, cu_seqlens, dgain, dprecision):
+    """Gains, final precision and the five gradients in float64, one run per sequence."""
+    x = [t.detach().double().requires_grad_() for t in x]
+    k, log_alpha, omega, r, precision = x
+    if cu_seqlens is None:
+        gain, final = kalman_gain(k, log_alpha, omega, r, precision, info_scale=INFO_SCALE)
+    else:
+        bounds = cu_seqlens.tolist()
+        runs = [
+            kalman_gain(k[:, s], log_alpha[:, s], omega[:, s], r[:, s], precision[n:n + 1],
+                        info_scale=INFO_SCALE)
+            for n, s in enumerate(slice(a, b) for a, b in zip(bounds[:-1], bounds[1:]))
+        ]
+        gain = torch.cat([g for g, _ in runs], 1)
+        final = torch.cat([p for _, p in runs], 0)
+    loss = (gain * dgain.double()).sum()
+    if dprecision is not None:
+        loss = loss + (final * dprecision.double()).sum()
+    return gain, final, torch.autograd.grad(loss, x)
+
+
+def run_kernels(x, cu_seqlens, dgain, dprecision):
+    gain, final, *saved = kalman_gain_fwd(*x, cu_seqlens, info_scale=INFO_SCALE)
+    grads = kalman_gain_bwd(*x, cu_seqlens, *saved, dgain, dprecision, info_scale=INFO_SCALE)
+    return gain, final, grads
+
+
+def check(x64, cu_seqlens=None, *, k_dtype=torch.float32, with_dprecision=True, tol=2e-5,
+          seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    x = [t.to(DEVICE, torch.float32) for t in x64]
+    x[0] = x[0].to(k_dtype)
+    x64 = [t.to(torch.float64) for t in x]  # the reference sees the kernel's rounded inputs
+    if cu_seqlens is not None:
+        cu_seqlens = cu_seqlens.to(DEVICE)
+    dgain = torch.randn(x[0].shape, generator=gen).to(DEVICE)
+    dprecision = torch.randn(x[4].shape, generator=gen).to(DEVICE) if with_dprecision else None
+    gain, final, grads = run_kernels(x, cu_seqlens, dgain, dprecision)
+    ref_gain, ref_final, ref_grads = reference(x64, cu_seqlens, dgain, dprecision)
+    assert gain.dtype == final.dtype == torch.float32
+    assert_close(gain, ref_gain, tol, "gain")
+    assert_close(final, ref_final, tol, "final precision")
+    for name, grad, ref_grad, inp in zip(("dk", "dlog_alpha", "domega", "dr", "dprecision"),
+                                         grads, ref_grads, x):
+        assert grad.dtype == inp.dtype and grad.shape == inp.shape, name
+        grad_tol = 1e-2 if grad.dtype == torch.bfloat16 else tol
+        assert_close(grad, ref_grad, grad_tol, name)
+
+
+@pytest.mark.parametrize("B,T,H", [(2, 1, 2), (2, 63, 1), (1, 100, 1)], ids=lambda v: str(v))
+def test_fixed_length_matches_reference(B, T, H):
+    check(gain_inputs(B, T, H, 16, seed=T))
+
+
+def test_varlen_matches_reference():
+    cu_seqlens = torch.tensor([0, 1, 40, 40, 63], dtype=torch.int32)
+    check(gain_inputs(1, 63, 1, 16, N=4, seed=3), cu_seqlens)
+
+
+def test_without_final_precision_gradient():
+    check(gain_inputs(1, 40, 1, 16, seed=4), with_dprecision=False)
+
+
+def test_gates_at_extremes():
+    """log_alpha down to -40 (alpha^2 underflows to 0) and r at its floor 0.01."""
+    x = list(gain_inputs(1, 63, 1, 16, seed=5, log_alpha_min=-40.0, r_min=0.01))
+    x[1][:, ::3] = 0.0  # no decay at every third token
+    check(x, tol=1e-4)
+
+
+def test_final_precision_matches_token_loop():
+    k, log_alpha, omega, r, precision = gain_inputs(2, 45, 1, 16, seed=6)
+    q, v = torch.zeros_like(k), torch.zeros(2, 45, 1, 4, dtype=torch.float64)
+    _, _, ref_final = diag_kdn_recurrent(
+        q, k, v, log_alpha, omega, r, torch.zeros(2, 1, 16, 4, dtype=torch.float64), precision,
+        scale=1.0, info_scale=INFO_SCALE,
+    )
+    x = [t.to(DEVICE, torch.float32) for t in (k, log_alpha, omega, r, precision)]
+    _, final, *_ = kalman_gain_fwd(*x, None, info_scale=INFO_SCALE)
+    assert_close(final, ref_final, 2e-5, "final precision vs diag_kdn_recurrent")
+
+
+def test_every_output_element_is_written(monkeypatch):
+    """Outputs allocated full of NaN must come back finite and right."""
+    real_empty, real_empty_like = torch.empty, torch.empty_like
+
+    def nan_empty(*args, **kwargs):
+        out = real_empty(*args, **kwargs)
+        return out.fill_(float("nan")) if out.is_floating_point() else out
+
+    def nan_empty_like(*args, **kwargs):
+        out = real_empty_like(*args, **kwargs)
+        return out.fill_(float("nan")) if out.is_floating_point() else out
+
+    monkeypatch.setattr(torch, "empty", nan_empty)
+    monkeypatch.setattr(torch, "empty_like", nan_empty_like)
+    cu_seqlens = torch.tensor([0, 5, 5, 37], dtype=torch.int32)
+    check(gain_inputs(1, 37, 2, 16, N=3, seed=7), cu_seqlens)
+
+
+def test_supports():
+    x = [t.to(DEVICE, torch.float32) for t in gain_inputs(1, 4, 1, 16)]
+    assert kalman_gain_kernel_supports(*x)
+    assert not kalman_gain_kernel_supports(*[t.double() for t in x])
+    big = [t.to(DEVICE, torch.float32) for t in gain_inputs(1, 2, 1, 512)]
+    assert not kalman_gain_kernel_supports(*big)
+
+
+@needs_cuda
+@pytest.mark.parametrize("T", [1000, 4099])
+def test_cuda_bf16_keys_long(T):
+    check(gain_inputs(2, T, 3, 128, seed=T), k_dtype=torch.bfloat16, tol=1e-4)
+
+
+@needs_cuda
+def test_cuda_varlen_k128():
+    cu_seqlens = torch.tensor([0, 1, 40, 40, 333, 1000], dtype=torch.int32)
+    check(gain_inputs(1, 1000, 3, 128, N=5, seed=8), cu_seqlens, tol=1e-4)
