@@ -138,10 +138,11 @@ def main():
                gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                triton=triton.__version__, commit=commit)
     print(env)
-    default = dict(CHUNK=kg.CHUNK, NUM_STAGES=kg.NUM_STAGES)
+    default = dict(CHUNK=kg.CHUNK, NUM_STAGES=kg.NUM_STAGES, CHUNK_WARPS=kg.CHUNK_WARPS)
     configs = [default]
     if args.sweep:  # the default is timed again last: the spread between the two is noise
-        configs += [dict(CHUNK=32, NUM_STAGES=1), dict(CHUNK=64, NUM_STAGES=3), default]
+        configs += [dict(default, NUM_STAGES=1), dict(default, CHUNK=64),
+                    dict(default, CHUNK_WARPS=2), default]
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     for _ in range(200):  # let the clocks ramp up before timing
         a @ a
@@ -170,10 +171,10 @@ def main():
                 f.write(json.dumps(row) + "\n")
     print(f"\nKalman gain, K=128, bf16 k, fp32 gates; {env['gpu']}, torch {env['torch']}, "
           f"triton {env['triton']}, {env['date']}")
-    print("| chunk | load stages | B x T x H x K | fwd ms | fwd GB/s | fwd+bwd ms | fwd+bwd GB/s |")
-    print("|---|---|---|---|---|---|---|")
+    print("| chunk | load stages | warps | B x T x H x K | fwd ms | fwd GB/s | fwd+bwd ms | fwd+bwd GB/s |")
+    print("|---|---|---|---|---|---|---|---|")
     for row in rows:
-        print(f"| {row['CHUNK']} | {row['NUM_STAGES']} | {row['shape']} | {row['fwd_ms']:.3f} | "
+        print(f"| {row['CHUNK']} | {row['NUM_STAGES']} | {row.get('CHUNK_WARPS', '-')} | {row['shape']} | {row['fwd_ms']:.3f} | "
               f"{row['fwd_gbs']:.0f} | {row['fwd_bwd_ms']:.3f} | {row['fwd_bwd_gbs']:.0f} |")
     print("all checks passed" if ok else "SOME CHECKS FAILED")
 
