@@ -1,0 +1,74 @@
+"""Sphinx configuration of the kdn_compile documentation.
+
+Build (warnings are errors): ``./dev.sh docs``, i.e.
+``python -m sphinx -W --keep-going -b html docs docs/_build/html``.
+The package must be importable (``./dev.sh`` installs it editable).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+
+project = "kdn_compile"
+author = "kdn_compile contributors"
+copyright = "2026, kdn_compile contributors"
+try:
+    release = importlib.metadata.version("kdn-compile")
+except importlib.metadata.PackageNotFoundError:
+    release = "0.1.0"
+
+version = ".".join(release.split(".")[:2])
+
+extensions = [
+    "sphinx.ext.autodoc",
+    "sphinx.ext.napoleon",
+    "sphinx.ext.mathjax",
+    "sphinx.ext.viewcode",
+]
+
+# Sources: reStructuredText only; benchmarks.md is pulled in verbatim by
+# benchmarks.rst (literalinclude), never parsed as a page of its own.
+source_suffix = {".rst": "restructuredtext"}
+exclude_patterns = ["_build", "benchmarks.md"]
+root_doc = "index"
+
+# Docstrings are Google style (Args / Returns / Raises / Example).
+napoleon_google_docstring = True
+napoleon_numpy_docstring = False
+napoleon_use_rtype = False
+napoleon_use_ivar = True
+
+autodoc_member_order = "bysource"
+autodoc_typehints = "description"
+autodoc_typehints_format = "short"
+autodoc_preserve_defaults = True
+autodoc_default_options = {"show-inheritance": True}
+
+# Cross-references to torch types stay plain text: no intersphinx (the build
+# is offline) and no nitpicky mode.
+nitpicky = False
+
+# Triton is a Linux-only dependency; elsewhere the docs still import the package.
+if importlib.util.find_spec("triton") is None:
+    autodoc_mock_imports = ["triton"]
+
+html_theme = "alabaster"
+html_title = f"kdn_compile {release}"
+html_static_path: list[str] = []
+html_theme_options = {
+    "description": "GDN, KDA and Diagonal KDN for torch.compile, Inductor and torch.export",
+    "fixed_sidebar": True,
+}
+
+
+def _drop_builtin_type_docstrings(app, what, name, obj, options, lines):
+    """Constants documented with ``autodata`` must not inherit ``float.__doc__``."""
+    del app, name, options
+    builtin_doc = (type(obj).__doc__ or "").strip().splitlines()
+    if what == "data" and builtin_doc and lines and lines[0].strip() == builtin_doc[0].strip():
+        lines.clear()
+
+
+def setup(app):
+    app.connect("autodoc-process-docstring", _drop_builtin_type_docstrings)
