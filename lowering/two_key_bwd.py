@@ -34,26 +34,27 @@ from kdn_compile.lowering.two_key_common import (
     load_block,
     load_row,
     load_rows,
+    sequence_bounds,
     store_rows,
 )
 
 
 @triton.jit
 def _two_key_bwd_state_kernel(
-    q, k, w, c, tmat, rmat, do, dht, dh, dv, dh0,
+    qd, kd, wl, c, tmat, rmat, do, dht, dh, dv, dh0,
     cu_seqlens, chunk_first, s_k, s_v, scale,
-    Hk: tl.constexpr, Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BV: tl.constexpr, HAS_DHT: tl.constexpr,
 ):
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // Hv, i_nh % Hv
-    i_hk = i_h // (Hv // Hk)
     bos = tl.load(cu_seqlens + i_n).to(tl.int64)
     eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
     first = tl.load(chunk_first + i_n).to(tl.int64)
     o_k = tl.arange(0, K)
     o_v = i_v * BV + tl.arange(0, BV)
-    p_state = i_nh.to(tl.int64) * K * V + o_k[:, None] * s_k + o_v[None, :] * s_v
+    o_bt = tl.arange(0, BT)
+    p_state = i_nh.to(tl.int64) * K * V + (o_k[:, None] * s_k + o_v[None, :] * s_v)
     if HAS_DHT:
         b_ds = tl.load(dht + p_state).to(tl.float32)
     else:
@@ -62,32 +63,56 @@ def _two_key_bwd_state_kernel(
     for jj in range(nt):
         j = nt - 1 - jj
         t0 = bos + j * BT
-        o_t = t0 + tl.arange(0, BT)
-        m_t = o_t < eos
+        m_t = (t0 + o_bt) < eos
         last = tl.minimum(t0 + BT, eos) - 1
-        p_h = dh + ((first + j) * Hv + i_h) * K * V + o_k[:, None] * V + o_v[None, :]
+        p_h = dh + ((first + j) * Hv + i_h) * K * V + (o_k[:, None] * V + o_v[None, :])
         tl.store(p_h, b_ds.to(dh.dtype.element_ty))
-        p_x = (o_t[:, None] * Hv + i_h) * V + o_v[None, :]
-        b_do = tl.load(do + p_x, mask=m_t[:, None], other=0.0).to(tl.float32)
-        b_r = load_rows(rmat, o_t, m_t, i_h, Hv, BT)
-        b_t = load_rows(tmat, o_t, m_t, i_h, Hv, BT)
-        b_c = load_rows(c, o_t, m_t, i_h, Hv, K)
-        b_cl = load_row(c, last, eos, i_h, Hv, K)
-        b_wl = tl.where(
-            m_t[:, None], load_rows(w, o_t, m_t, i_h, Hv, K) * tl.exp(b_cl[None, :] - b_c), 0.0
-        )
-        b_dxt = scale * tl.dot(tl.trans(b_r), b_do) + tl.dot(b_wl, b_ds)
-        b_dy = tl.dot(tl.trans(b_t), b_dxt)
+        p_x = (t0 * Hv + i_h) * V + (o_bt[:, None] * (Hv * V) + o_v[None, :])
+        p_kt = (t0 * Hv + i_h) * K + (o_bt[:, None] * (Hv * K) + o_k[None, :])
+        b_do = tl.load(do + p_x, mask=m_t[:, None], other=0.0)
+        b_wl = tl.load(wl + p_kt, mask=m_t[:, None], other=0.0)
+        b_r = load_rows(rmat, t0, o_bt, m_t, i_h, Hv, BT).to(b_wl.dtype)
+        b_dxt = scale * tl.dot(tl.trans(b_r), b_do.to(b_wl.dtype))
+        b_dxt += tl.dot(b_wl, b_ds.to(b_wl.dtype))
+        b_t = load_rows(tmat, t0, o_bt, m_t, i_h, Hv, BT).to(b_wl.dtype)
+        b_dy = tl.dot(tl.trans(b_t), b_dxt.to(b_wl.dtype))
         tl.store(dv + p_x, b_dy, mask=m_t[:, None])
-        b_e = tl.where(m_t[:, None], tl.exp(b_c), 0.0)
-        b_qd = load_rows(q, o_t, m_t, i_hk, Hk, K) * b_e
-        b_kd = load_rows(k, o_t, m_t, i_hk, Hk, K) * b_e
-        b_ds = (
-            b_ds * tl.exp(b_cl)[:, None]
-            + scale * tl.dot(tl.trans(b_qd), b_do)
-            - tl.dot(tl.trans(b_kd), b_dy)
-        )
+        b_qd = tl.load(qd + p_kt, mask=m_t[:, None], other=0.0)
+        b_kd = tl.load(kd + p_kt, mask=m_t[:, None], other=0.0)
+        b_el = tl.exp(load_row(c, last, eos, i_h, Hv, K))
+        b_ds = b_ds * b_el[:, None] + scale * tl.dot(tl.trans(b_qd), b_do.to(b_qd.dtype))
+        b_ds -= tl.dot(tl.trans(b_kd), b_dy.to(b_kd.dtype))
     tl.store(dh0 + p_state, b_ds)
+
+
+@triton.jit
+def _two_key_bwd_pair_kernel(
+    x, do, dv, dascr, drscr,
+    cu_seqlens, chunk_seq, chunk_first, N, scale,
+    Hv: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
+):
+    """``dA = -strict(dY X^T)`` and ``dR = scale lower(do X^T)`` of one chunk."""
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    i_n = tl.load(chunk_seq + i_c)
+    if i_n >= N:
+        return
+    t0, eos = chunk_position(chunk_first, cu_seqlens, i_n, i_c, BT)
+    o_bt = tl.arange(0, BT)
+    m_t = (t0 + o_bt) < eos
+    b_da = tl.zeros([BT, BT], dtype=tl.float32)
+    b_dr = tl.zeros([BT, BT], dtype=tl.float32)
+    for i_v in range(V // BV):
+        o_v = i_v * BV + tl.arange(0, BV)
+        p_x = (t0 * Hv + i_h) * V + (o_bt[:, None] * (Hv * V) + o_v[None, :])
+        b_x = tl.load(x + p_x, mask=m_t[:, None], other=0.0)
+        b_do = tl.load(do + p_x, mask=m_t[:, None], other=0.0)
+        b_dy = tl.load(dv + p_x, mask=m_t[:, None], other=0.0)
+        b_da += tl.dot(b_dy, tl.trans(b_x.to(tl.float32)))
+        b_dr += tl.dot(b_do, tl.trans(b_x.to(b_do.dtype)))
+    b_da = -tl.where(o_bt[:, None] > o_bt[None, :], b_da, 0.0)
+    b_dr = scale * tl.where(o_bt[:, None] >= o_bt[None, :], b_dr, 0.0)
+    store_rows(dascr, b_da, t0, o_bt, m_t, i_h, Hv, BT)
+    store_rows(drscr, b_dr, t0, o_bt, m_t, i_h, Hv, BT)
 
 
 @triton.jit
@@ -114,54 +139,30 @@ def _two_key_bwd_intra_kernel(
         return
     t0, eos = chunk_position(chunk_first, cu_seqlens, i_n, i_c, BT)
     last = tl.minimum(t0 + BT, eos) - 1
-    o_t = t0 + tl.arange(0, BT)
-    m_t = o_t < eos
     o_k = i_k * BK + tl.arange(0, BK)
-    o_bt = tl.arange(0, BT)
 
-    # Pass over V: dA, dR (whole chunk), and the c_last terms of this key tile.
-    b_da = tl.zeros([BT, BT], dtype=tl.float32)
-    b_dr = tl.zeros([BT, BT], dtype=tl.float32)
-    b_dwl = tl.zeros([BT, BK], dtype=tl.float32)
-    b_hdh = tl.zeros([BK], dtype=tl.float32)
-    p_h0 = (i_c.to(tl.int64) * Hv + i_h) * K * V
+    # Gradient of c_last through the state decay and the write factors
+    # e^{c_last - c}: sum_v S1 * dS1, S1 the state at the chunk's end.
+    p_h0 = ((i_c + i_n).to(tl.int64) * Hv + i_h) * K * V
+    b_carry = tl.zeros([BK], dtype=tl.float32)
     for i_v in range(V // BV):
         o_v = i_v * BV + tl.arange(0, BV)
-        p_x = (o_t[:, None] * Hv + i_h) * V + o_v[None, :]
-        b_x = tl.load(x + p_x, mask=m_t[:, None], other=0.0).to(tl.float32)
-        b_do = tl.load(do + p_x, mask=m_t[:, None], other=0.0).to(tl.float32)
-        b_dy = tl.load(dv + p_x, mask=m_t[:, None], other=0.0)
-        p_s = p_h0 + o_k[:, None] * V + o_v[None, :]
-        b_h = tl.load(h + p_s).to(tl.float32)
-        b_dh = tl.load(dh + p_s).to(tl.float32)
-        b_da += tl.dot(b_dy, tl.trans(b_x))
-        b_dr += tl.dot(b_do, tl.trans(b_x))
-        b_dwl += tl.dot(b_x, tl.trans(b_dh))
-        b_hdh += tl.sum(b_h * b_dh, 1)
-    b_da = -tl.where(o_bt[:, None] > o_bt[None, :], b_da, 0.0)
-    b_dr = scale * tl.where(o_bt[:, None] >= o_bt[None, :], b_dr, 0.0)
-    p_scr = ((o_t[:, None] * Hv + i_h) * NK + i_k) * BT + o_bt[None, :]
-    tl.store(dascr + p_scr, b_da, mask=m_t[:, None])
-    tl.store(drscr + p_scr, b_dr, mask=m_t[:, None])
-    b_cl = load_row(c + i_k * BK, last, eos, i_h, Hv * NK, BK)
-    b_ct = load_rows(c + i_k * BK, o_t, m_t, i_h * NK + 0, Hv * NK, BK)
-    b_wl = tl.where(m_t[:, None], load_rows(w + i_k * BK, o_t, m_t, i_h * NK, Hv * NK, BK)
-                    * tl.exp(b_cl[None, :] - b_ct), 0.0)
-    # Gradient of c_last through the state decay and the write factors e^{c_last - c}.
-    b_carry = tl.exp(b_cl) * b_hdh + tl.sum(b_wl * b_dwl, 0)
-    tl.debug_barrier()
+        p_s = o_k[:, None] * V + o_v[None, :]
+        b_s1 = tl.load(h + p_h0 + Hv * K * V + p_s).to(tl.float32)
+        b_dh = tl.load(dh + (i_c.to(tl.int64) * Hv + i_h) * K * V + p_s)
+        b_carry += tl.sum(b_s1 * b_dh.to(tl.float32), 1)
+    b_cl = load_row(c + i_k * BK, last, eos, i_h * NK, Hv * NK, BK)
 
     o_c = tl.arange(0, BC)
     H2: tl.constexpr = Hv * NK
     HK2: tl.constexpr = Hk * NK
-    for ib in tl.static_range(BT // BC):
-        i = BT // BC - 1 - ib
+    for i in tl.static_range(BT // BC - 1, -1, -1):
         o_i = t0 + i * BC + o_c
         m_i = o_i < eos
-        b_ci = load_rows(c + i_k * BK, o_i, m_i, i_h * NK, H2, BK)
-        b_qi = load_rows(q + i_k * BK, o_i, m_i, i_hk * NK, HK2, BK)
-        b_ki = load_rows(k + i_k * BK, o_i, m_i, i_hk * NK, HK2, BK)
-        b_wi = load_rows(w + i_k * BK, o_i, m_i, i_h * NK, H2, BK)
+        b_ci = load_rows(c + i_k * BK, t0 + i * BC, o_c, m_i, i_h * NK, H2, BK)
+        b_qi = load_rows(q + i_k * BK, t0 + i * BC, o_c, m_i, i_hk * NK, HK2, BK)
+        b_ki = load_rows(k + i_k * BK, t0 + i * BC, o_c, m_i, i_hk * NK, HK2, BK)
+        b_wi = load_rows(w + i_k * BK, t0 + i * BC, o_c, m_i, i_h * NK, H2, BK)
         b_dqp = tl.zeros([BC, BK], dtype=tl.float32)
         b_dkp = tl.zeros([BC, BK], dtype=tl.float32)
         b_dwp = tl.zeros([BC, BK], dtype=tl.float32)
@@ -171,10 +172,10 @@ def _two_key_bwd_intra_kernel(
             m_j = o_j < eos
             b = tl.minimum(t0 + j * BC + BC - 1, last)
             b_cb = load_row(c + i_k * BK, b, eos, i_h * NK, H2, BK)
-            b_cj = load_rows(c + i_k * BK, o_j, m_j, i_h * NK, H2, BK)
-            b_wj = load_rows(w + i_k * BK, o_j, m_j, i_h * NK, H2, BK)
-            b_daij = load_block(dascr, o_i, m_i, i_h * NK + i_k, j * BC, H2, BT, BC)
-            b_drij = load_block(drscr, o_i, m_i, i_h * NK + i_k, j * BC, H2, BT, BC)
+            b_cj = load_rows(c + i_k * BK, t0 + j * BC, o_c, m_j, i_h * NK, H2, BK)
+            b_wj = load_rows(w + i_k * BK, t0 + j * BC, o_c, m_j, i_h * NK, H2, BK)
+            b_daij = load_block(dascr, t0 + i * BC, m_i, i_h, j * BC, Hv, BT, BC)
+            b_drij = load_block(drscr, t0 + i * BC, m_i, i_h, j * BC, Hv, BT, BC)
             b_dkp += _pair_rows(b_daij, b_ci, b_cj, b_wj, b_cb, m_i, m_j)
             b_dqp += _pair_rows(b_drij, b_ci, b_cj, b_wj, b_cb, m_i, m_j)
         # Columns of block i against later blocks j > i.
@@ -183,17 +184,17 @@ def _two_key_bwd_intra_kernel(
             m_j = o_j < eos
             b = tl.minimum(t0 + i * BC + BC - 1, last)
             b_cb = load_row(c + i_k * BK, b, eos, i_h * NK, H2, BK)
-            b_cj = load_rows(c + i_k * BK, o_j, m_j, i_h * NK, H2, BK)
+            b_cj = load_rows(c + i_k * BK, t0 + j * BC, o_c, m_j, i_h * NK, H2, BK)
             b_fr = tl.where(m_j[:, None], tl.exp(b_cj - b_cb[None, :]), 0.0)
-            b_kj = load_rows(k + i_k * BK, o_j, m_j, i_hk * NK, HK2, BK) * b_fr
-            b_qj = load_rows(q + i_k * BK, o_j, m_j, i_hk * NK, HK2, BK) * b_fr
-            b_daji = load_block(dascr, o_j, m_j, i_h * NK + i_k, i * BC, H2, BT, BC)
-            b_drji = load_block(drscr, o_j, m_j, i_h * NK + i_k, i * BC, H2, BT, BC)
+            b_kj = load_rows(k + i_k * BK, t0 + j * BC, o_c, m_j, i_hk * NK, HK2, BK) * b_fr
+            b_qj = load_rows(q + i_k * BK, t0 + j * BC, o_c, m_j, i_hk * NK, HK2, BK) * b_fr
+            b_daji = load_block(dascr, t0 + j * BC, m_j, i_h, i * BC, Hv, BT, BC)
+            b_drji = load_block(drscr, t0 + j * BC, m_j, i_h, i * BC, Hv, BT, BC)
             b_fc = tl.where(m_i[:, None], tl.exp(b_cb[None, :] - b_ci), 0.0)
             b_dwp += (tl.dot(tl.trans(b_daji), b_kj) + tl.dot(tl.trans(b_drji), b_qj)) * b_fc
         # The diagonal block, one half of columns at a time.
-        b_daii = load_block(dascr, o_i, m_i, i_h * NK + i_k, i * BC, H2, BT, BC)
-        b_drii = load_block(drscr, o_i, m_i, i_h * NK + i_k, i * BC, H2, BT, BC)
+        b_daii = load_block(dascr, t0 + i * BC, m_i, i_h, i * BC, Hv, BT, BC)
+        b_drii = load_block(drscr, t0 + i * BC, m_i, i_h, i * BC, Hv, BT, BC)
         for half in tl.static_range(2):
             start = t0 + i * BC + half * (BC // 2)
             r = tl.minimum(start + BC // 4 - 1, last)
@@ -214,13 +215,13 @@ def _two_key_bwd_intra_kernel(
         b_dws = tl.zeros([BC, BK], dtype=tl.float32)
         for i_v in range(V // BV):
             o_v = i_v * BV + tl.arange(0, BV)
-            p_x = (o_i[:, None] * Hv + i_h) * V + o_v[None, :]
+            p_x = ((t0 + i * BC) * Hv + i_h) * V + (o_c[:, None] * (Hv * V) + o_v[None, :])
             b_x = tl.load(x + p_x, mask=m_i[:, None], other=0.0).to(tl.float32)
             b_do = tl.load(do + p_x, mask=m_i[:, None], other=0.0).to(tl.float32)
             b_dy = tl.load(dv + p_x, mask=m_i[:, None], other=0.0)
-            p_s = p_h0 + o_k[:, None] * V + o_v[None, :]
-            b_h = tl.load(h + p_s).to(tl.float32)
-            b_dh = tl.load(dh + p_s).to(tl.float32)
+            p_s = o_k[:, None] * V + o_v[None, :]
+            b_h = tl.load(h + p_h0 + p_s).to(tl.float32)
+            b_dh = tl.load(dh + (i_c.to(tl.int64) * Hv + i_h) * K * V + p_s).to(tl.float32)
             b_dqs += tl.dot(b_do, tl.trans(b_h))
             b_dks += tl.dot(b_dy, tl.trans(b_h))
             b_dws += tl.dot(b_x, tl.trans(b_dh))
@@ -235,10 +236,10 @@ def _two_key_bwd_intra_kernel(
         b_dc = b_qi * b_dqi + b_ki * b_dki - b_wi * b_dwi
         b_dgi = tl.cumsum(b_dc, axis=0, reverse=True) + b_carry[None, :]
         b_carry += tl.sum(b_dc, 0)
-        store_rows(dq + i_k * BK, b_dqi, o_i, m_i, i_h * NK, H2, BK)
-        store_rows(dk + i_k * BK, b_dki, o_i, m_i, i_h * NK, H2, BK)
-        store_rows(dw + i_k * BK, b_dwi, o_i, m_i, i_h * NK, H2, BK)
-        store_rows(dg + i_k * BK, b_dgi, o_i, m_i, i_h * NK, H2, BK)
+        store_rows(dq + i_k * BK, b_dqi, t0 + i * BC, o_c, m_i, i_h * NK, H2, BK)
+        store_rows(dk + i_k * BK, b_dki, t0 + i * BC, o_c, m_i, i_h * NK, H2, BK)
+        store_rows(dw + i_k * BK, b_dwi, t0 + i * BC, o_c, m_i, i_h * NK, H2, BK)
+        store_rows(dg + i_k * BK, b_dgi, t0 + i * BC, o_c, m_i, i_h * NK, H2, BK)
 
 
 def two_key_bwd(
@@ -250,6 +251,9 @@ def two_key_bwd(
     initial_state: torch.Tensor | None,
     cu_seqlens: torch.Tensor | None,
     c: torch.Tensor,
+    qd: torch.Tensor,
+    kd: torch.Tensor,
+    wl: torch.Tensor,
     tmat: torch.Tensor,
     rmat: torch.Tensor,
     h: torch.Tensor,
@@ -267,29 +271,27 @@ def two_key_bwd(
 
     Args:
         q, k, w, v, log_decay, initial_state, cu_seqlens: as for :func:`two_key_fwd`.
-        c, tmat, rmat, h, x, chunk_seq, chunk_first: the saved outputs of
-            :func:`two_key_fwd` (same call).
+        c, qd, kd, wl, tmat, rmat, h, x, chunk_seq, chunk_first: the saved outputs
+            of :func:`two_key_fwd` (same call).
         do: ``[B, T, Hv, V]`` gradient of ``o``.
         dht: gradient of the final state (its layout) or None.
         chunk_size, scale, state_v_first: as for the forward.
 
     Returns:
-        ``(dq, dk, dw, dv, dlog_decay, dh0)`` in the dtypes of their inputs;
-        ``dh0`` is float32 in the state layout (the gradient of a zero initial
-        state when ``initial_state`` is None).
+        ``(dq, dk, dw, dv, dlog_decay, dh0)`` in the dtypes of ``q, k, w, v,
+        log_decay``; ``dh0`` is float32 in the state layout (the gradient of a
+        zero initial state when ``initial_state`` is None).
     """
+    if chunk_size != BT:
+        raise ValueError(f"two_key_bwd supports chunk_size {BT}, got {chunk_size}")
     batch, length, hk, key_dim = q.shape
     hv, value_dim = v.shape[2], v.shape[3]
     dt = compute_dtype(q.dtype)
     num_seqs = chunk_first.shape[0] - 1
     num_chunks = chunk_seq.shape[0]
-    if cu_seqlens is None:
-        bounds = torch.arange(batch + 1, device=q.device, dtype=torch.int32) * length
-    else:
-        bounds = cu_seqlens.to(torch.int32)
+    bounds, _ = sequence_bounds(batch, length, cu_seqlens, q.device)
     tokens = batch * length
-    flat = lambda t: t.reshape(tokens, t.shape[-2], t.shape[-1]).contiguous()  # noqa: E731
-    qf, kf, wf, dof = flat(q), flat(k), flat(w), flat(do)
+    qf, kf, wf, dof = (t.reshape(tokens, t.shape[-2], t.shape[-1]).contiguous() for t in (q, k, w, do))
     dh = q.new_empty((num_chunks, hv, key_dim, value_dim), dtype=dt)
     dv32 = q.new_empty((tokens, hv, value_dim), dtype=torch.float32)
     state_shape = (num_seqs, hv, value_dim, key_dim) if state_v_first else (
@@ -297,22 +299,30 @@ def two_key_bwd(
     dh0 = q.new_empty(state_shape, dtype=torch.float32)
     s_k, s_v = (1, key_dim) if state_v_first else (value_dim, 1)
     block_v = min(64, value_dim)
-    wrap_triton(_two_key_bwd_state_kernel)[(triton.cdiv(value_dim, block_v), num_seqs * hv)](
-        qf, kf, wf, c, tmat, rmat, dof,
+    # 32-wide value tiles: 255 registers and 8 bytes of spill (ptxas, sm_90) against
+    # 320 bytes at 64, and twice the programs for the sequential pass.
+    state_v = min(32, value_dim)
+    wrap_triton(_two_key_bwd_state_kernel)[(triton.cdiv(value_dim, state_v), num_seqs * hv)](
+        qd, kd, wl, c, tmat, rmat, dof,
         dht.contiguous() if dht is not None else dh0, dh, dv32, dh0,
         bounds, chunk_first, s_k, s_v, scale,
-        Hk=hk, Hv=hv, K=key_dim, V=value_dim, BT=BT, BV=block_v,
+        Hv=hv, K=key_dim, V=value_dim, BT=BT, BV=state_v,
         HAS_DHT=dht is not None,
+        num_warps=4,
+    )
+    dascr = q.new_empty((tokens, hv, BT), dtype=torch.float32)
+    drscr = q.new_empty((tokens, hv, BT), dtype=torch.float32)
+    wrap_triton(_two_key_bwd_pair_kernel)[(num_chunks, hv)](
+        x, dof, dv32, dascr, drscr,
+        bounds, chunk_seq, chunk_first, num_seqs, scale,
+        Hv=hv, V=value_dim, BT=BT, BV=block_v,
         num_warps=4,
     )
     block_k = min(64, key_dim)
     nk = key_dim // block_k
-    dascr = q.new_empty((tokens, hv, nk, BT), dtype=torch.float32)
-    drscr = q.new_empty((tokens, hv, nk, BT), dtype=torch.float32)
-    dq = q.new_empty((tokens, hv, key_dim), dtype=torch.float32)
-    dk = q.new_empty((tokens, hv, key_dim), dtype=torch.float32)
-    dw = q.new_empty((tokens, hv, key_dim), dtype=torch.float32)
-    dg = q.new_empty((tokens, hv, key_dim), dtype=torch.float32)
+    dq, dk, dw, dg = (
+        q.new_empty((tokens, hv, key_dim), dtype=torch.float32) for _ in range(4)
+    )
     wrap_triton(_two_key_bwd_intra_kernel)[(num_chunks, nk, hv)](
         qf, kf, wf, c, h, dh, x, dof, dv32, dascr, drscr,
         dq, dk, dw, dg,

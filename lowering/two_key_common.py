@@ -98,11 +98,14 @@ def chunk_map(
 
 
 @triton.jit
-def load_rows(ptr, o_t, m_t, i_h, H: tl.constexpr, D: tl.constexpr):
-    """Rows ``o_t`` of head ``i_h`` of a token-major ``[tokens, H, D]`` tensor, float32."""
+def load_rows(ptr, t, o_r, m_r, i_h, H: tl.constexpr, D: tl.constexpr):
+    """Rows ``t + o_r`` of head ``i_h`` of a token-major ``[tokens, H, D]`` tensor, float32.
+
+    ``t`` is a scalar (64-bit offsets), ``o_r`` small relative rows (32-bit offsets).
+    """
     o_d = tl.arange(0, D)
-    p = ptr + (o_t[:, None].to(tl.int64) * H + i_h) * D + o_d[None, :]
-    return tl.load(p, mask=m_t[:, None], other=0.0).to(tl.float32)
+    p = ptr + (t.to(tl.int64) * H + i_h) * D + (o_r[:, None] * (H * D) + o_d[None, :])
+    return tl.load(p, mask=m_r[:, None], other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -114,25 +117,25 @@ def load_row(ptr, t, end, i_h, H: tl.constexpr, D: tl.constexpr):
 
 
 @triton.jit
-def store_rows(ptr, value, o_t, m_t, i_h, H: tl.constexpr, D: tl.constexpr):
+def store_rows(ptr, value, t, o_r, m_r, i_h, H: tl.constexpr, D: tl.constexpr):
     o_d = tl.arange(0, D)
-    p = ptr + (o_t[:, None].to(tl.int64) * H + i_h) * D + o_d[None, :]
-    tl.store(p, value.to(ptr.dtype.element_ty), mask=m_t[:, None])
+    p = ptr + (t.to(tl.int64) * H + i_h) * D + (o_r[:, None] * (H * D) + o_d[None, :])
+    tl.store(p, value.to(ptr.dtype.element_ty), mask=m_r[:, None])
 
 
 @triton.jit
-def load_block(ptr, o_t, m_t, i_h, col0, H: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
-    """``[BC, BC]`` block of a ``[tokens, H, BT]`` chunk matrix (rows ``o_t``, cols ``col0 + .``)."""
+def load_block(ptr, t, m_r, i_h, col0, H: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+    """``[BC, BC]`` block of a ``[tokens, H, BT]`` chunk matrix: rows ``t + .``, cols ``col0 + .``."""
     o_c = tl.arange(0, BC)
-    p = ptr + (o_t[:, None].to(tl.int64) * H + i_h) * BT + col0 + o_c[None, :]
-    return tl.load(p, mask=m_t[:, None], other=0.0)
+    p = ptr + (t.to(tl.int64) * H + i_h) * BT + col0 + (o_c[:, None] * (H * BT) + o_c[None, :])
+    return tl.load(p, mask=m_r[:, None], other=0.0)
 
 
 @triton.jit
-def store_block(ptr, value, o_t, m_t, i_h, col0, H: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+def store_block(ptr, value, t, m_r, i_h, col0, H: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
     o_c = tl.arange(0, BC)
-    p = ptr + (o_t[:, None].to(tl.int64) * H + i_h) * BT + col0 + o_c[None, :]
-    tl.store(p, value.to(ptr.dtype.element_ty), mask=m_t[:, None])
+    p = ptr + (t.to(tl.int64) * H + i_h) * BT + col0 + (o_c[:, None] * (H * BT) + o_c[None, :])
+    tl.store(p, value.to(ptr.dtype.element_ty), mask=m_r[:, None])
 
 
 @triton.jit

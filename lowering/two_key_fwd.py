@@ -70,7 +70,7 @@ def _diag_pair(b_ci, b_xi, b_wi, o_i, m_i, last, c, i_h, half, t_blk, Hv: tl.con
 
 @triton.jit
 def _two_key_fwd_intra_kernel(
-    q, k, w, v, g, c, tmat, rmat, wk, u,
+    q, k, w, v, g, c, qd, kd, wl, ascr, tmat, rmat, wk, u,
     cu_seqlens, chunk_seq, chunk_first, N,
     Hk: tl.constexpr, Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr,
@@ -83,35 +83,47 @@ def _two_key_fwd_intra_kernel(
     t0, eos = chunk_position(chunk_first, cu_seqlens, i_n, i_c, BT)
     last = tl.minimum(t0 + BT, eos) - 1
 
-    # In-chunk cumulative log decay, made visible to the whole program.
-    o_t = t0 + tl.arange(0, BT)
-    m_t = o_t < eos
-    b_c = tl.cumsum(load_rows(g, o_t, m_t, i_h, Hv, K), axis=0)
-    store_rows(c, b_c, o_t, m_t, i_h, Hv, K)
-    tl.debug_barrier()
-
-    # A (strictly lower) and R (lower) block by block; A goes to tmat as scratch.
+    # In-chunk cumulative log decay c and the decayed keys q e^c, k e^c,
+    # w e^{c_last - c}, stored for the later stages and read back below.
     o_c = tl.arange(0, BC)
+    b_cl = tl.zeros([K], dtype=tl.float32)
     for i in tl.static_range(BT // BC):
         o_i = t0 + i * BC + o_c
         m_i = o_i < eos
-        b_ci = load_rows(c, o_i, m_i, i_h, Hv, K)
-        b_ki = load_rows(k, o_i, m_i, i_hk, Hk, K)
-        b_qi = load_rows(q, o_i, m_i, i_hk, Hk, K)
+        b_ci = tl.cumsum(load_rows(g, t0 + i * BC, o_c, m_i, i_h, Hv, K), axis=0) + b_cl[None, :]
+        b_cl = tl.sum(tl.where(o_c[:, None] == BC - 1, b_ci, 0.0), 0)
+        b_e = tl.where(m_i[:, None], tl.exp(b_ci), 0.0)
+        store_rows(c, b_ci, t0 + i * BC, o_c, m_i, i_h, Hv, K)
+        store_rows(qd, load_rows(q, t0 + i * BC, o_c, m_i, i_hk, Hk, K) * b_e, t0 + i * BC, o_c, m_i, i_h, Hv, K)
+        store_rows(kd, load_rows(k, t0 + i * BC, o_c, m_i, i_hk, Hk, K) * b_e, t0 + i * BC, o_c, m_i, i_h, Hv, K)
+    tl.debug_barrier()
+    for i in tl.static_range(BT // BC):
+        o_i = t0 + i * BC + o_c
+        m_i = o_i < eos
+        b_el = tl.where(m_i[:, None], tl.exp(b_cl[None, :] - load_rows(c, t0 + i * BC, o_c, m_i, i_h, Hv, K)), 0.0)
+        store_rows(wl, load_rows(w, t0 + i * BC, o_c, m_i, i_h, Hv, K) * b_el, t0 + i * BC, o_c, m_i, i_h, Hv, K)
+
+    # A (strictly lower, float32 scratch) and R (lower), block by block.
+    for i in tl.static_range(BT // BC):
+        o_i = t0 + i * BC + o_c
+        m_i = o_i < eos
+        b_ci = load_rows(c, t0 + i * BC, o_c, m_i, i_h, Hv, K)
+        b_ki = load_rows(k, t0 + i * BC, o_c, m_i, i_hk, Hk, K)
+        b_qi = load_rows(q, t0 + i * BC, o_c, m_i, i_hk, Hk, K)
         for j in tl.static_range(BT // BC):
             o_j = t0 + j * BC + o_c
             if j < i:
                 m_j = o_j < eos
                 b = tl.minimum(t0 + j * BC + BC - 1, last)
                 b_cb = load_row(c, b, eos, i_h, Hv, K)
-                b_wj = load_rows(w, o_j, m_j, i_h, Hv, K)
-                b_cj = load_rows(c, o_j, m_j, i_h, Hv, K)
+                b_wj = load_rows(w, t0 + j * BC, o_c, m_j, i_h, Hv, K)
+                b_cj = load_rows(c, t0 + j * BC, o_c, m_j, i_h, Hv, K)
                 b_wc = tl.where(m_j[:, None], b_wj * tl.exp(b_cb[None, :] - b_cj), 0.0)
                 b_fr = tl.where(m_i[:, None], tl.exp(b_ci - b_cb[None, :]), 0.0)
                 b_a = tl.dot(b_ki * b_fr, tl.trans(b_wc))
                 b_r = tl.dot(b_qi * b_fr, tl.trans(b_wc))
             elif j == i:
-                b_wi = load_rows(w, o_i, m_i, i_h, Hv, K)
+                b_wi = load_rows(w, t0 + i * BC, o_c, m_i, i_h, Hv, K)
                 b_a = _diag_pair(b_ci, b_ki, b_wi, o_i, m_i, last, c, i_h, 0, t0 + i * BC, Hv, K, BC)
                 b_a += _diag_pair(b_ci, b_ki, b_wi, o_i, m_i, last, c, i_h, 1, t0 + i * BC, Hv, K, BC)
                 b_r = _diag_pair(b_ci, b_qi, b_wi, o_i, m_i, last, c, i_h, 0, t0 + i * BC, Hv, K, BC)
@@ -121,8 +133,8 @@ def _two_key_fwd_intra_kernel(
             else:
                 b_a = tl.zeros([BC, BC], dtype=tl.float32)
                 b_r = tl.zeros([BC, BC], dtype=tl.float32)
-            store_block(tmat, b_a, o_i, m_i, i_h, j * BC, Hv, BT, BC)
-            store_block(rmat, b_r, o_i, m_i, i_h, j * BC, Hv, BT, BC)
+            store_block(ascr, b_a, t0 + i * BC, m_i, i_h, j * BC, Hv, BT, BC)
+            store_block(rmat, b_r, t0 + i * BC, m_i, i_h, j * BC, Hv, BT, BC)
     tl.debug_barrier()
 
     # T = (I + A)^-1: diagonal blocks by substitution, the rest by block products.
@@ -131,17 +143,16 @@ def _two_key_fwd_intra_kernel(
     o_2 = o_1 + BC
     o_3 = o_2 + BC
     m_0, m_1, m_2, m_3 = o_0 < eos, o_1 < eos, o_2 < eos, o_3 < eos
-    t00 = _unit_lower_inverse(tmat, t0 + 0 * BC, eos, i_h, 0, Hv, BT, BC)
-    t11 = _unit_lower_inverse(tmat, t0 + 1 * BC, eos, i_h, BC, Hv, BT, BC)
-    t22 = _unit_lower_inverse(tmat, t0 + 2 * BC, eos, i_h, 2 * BC, Hv, BT, BC)
-    t33 = _unit_lower_inverse(tmat, t0 + 3 * BC, eos, i_h, 3 * BC, Hv, BT, BC)
-    a10 = load_block(tmat, o_1, m_1, i_h, 0, Hv, BT, BC)
-    a20 = load_block(tmat, o_2, m_2, i_h, 0, Hv, BT, BC)
-    a21 = load_block(tmat, o_2, m_2, i_h, BC, Hv, BT, BC)
-    a30 = load_block(tmat, o_3, m_3, i_h, 0, Hv, BT, BC)
-    a31 = load_block(tmat, o_3, m_3, i_h, BC, Hv, BT, BC)
-    a32 = load_block(tmat, o_3, m_3, i_h, 2 * BC, Hv, BT, BC)
-    tl.debug_barrier()
+    t00 = _unit_lower_inverse(ascr, t0 + 0 * BC, eos, i_h, 0, Hv, BT, BC)
+    t11 = _unit_lower_inverse(ascr, t0 + 1 * BC, eos, i_h, BC, Hv, BT, BC)
+    t22 = _unit_lower_inverse(ascr, t0 + 2 * BC, eos, i_h, 2 * BC, Hv, BT, BC)
+    t33 = _unit_lower_inverse(ascr, t0 + 3 * BC, eos, i_h, 3 * BC, Hv, BT, BC)
+    a10 = load_block(ascr, t0 + 1 * BC, m_1, i_h, 0, Hv, BT, BC)
+    a20 = load_block(ascr, t0 + 2 * BC, m_2, i_h, 0, Hv, BT, BC)
+    a21 = load_block(ascr, t0 + 2 * BC, m_2, i_h, BC, Hv, BT, BC)
+    a30 = load_block(ascr, t0 + 3 * BC, m_3, i_h, 0, Hv, BT, BC)
+    a31 = load_block(ascr, t0 + 3 * BC, m_3, i_h, BC, Hv, BT, BC)
+    a32 = load_block(ascr, t0 + 3 * BC, m_3, i_h, 2 * BC, Hv, BT, BC)
     t10 = -tl.dot(t11, tl.dot(a10, t00, input_precision="ieee"), input_precision="ieee")
     t21 = -tl.dot(t22, tl.dot(a21, t11, input_precision="ieee"), input_precision="ieee")
     t20 = -tl.dot(
@@ -163,51 +174,56 @@ def _two_key_fwd_intra_kernel(
         input_precision="ieee",
     )
     b_zero = tl.zeros([BC, BC], dtype=tl.float32)
-    store_block(tmat, t00, o_0, m_0, i_h, 0, Hv, BT, BC)
-    store_block(tmat, b_zero, o_0, m_0, i_h, BC, Hv, BT, BC)
-    store_block(tmat, t10, o_1, m_1, i_h, 0, Hv, BT, BC)
-    store_block(tmat, t11, o_1, m_1, i_h, BC, Hv, BT, BC)
-    store_block(tmat, t20, o_2, m_2, i_h, 0, Hv, BT, BC)
-    store_block(tmat, t21, o_2, m_2, i_h, BC, Hv, BT, BC)
-    store_block(tmat, t22, o_2, m_2, i_h, 2 * BC, Hv, BT, BC)
-    store_block(tmat, t30, o_3, m_3, i_h, 0, Hv, BT, BC)
-    store_block(tmat, t31, o_3, m_3, i_h, BC, Hv, BT, BC)
-    store_block(tmat, t32, o_3, m_3, i_h, 2 * BC, Hv, BT, BC)
-    store_block(tmat, t33, o_3, m_3, i_h, 3 * BC, Hv, BT, BC)
+    store_block(tmat, t00, t0 + 0 * BC, m_0, i_h, 0, Hv, BT, BC)
+    store_block(tmat, b_zero, t0 + 0 * BC, m_0, i_h, BC, Hv, BT, BC)
+    store_block(tmat, t10, t0 + 1 * BC, m_1, i_h, 0, Hv, BT, BC)
+    store_block(tmat, t11, t0 + 1 * BC, m_1, i_h, BC, Hv, BT, BC)
+    store_block(tmat, t20, t0 + 2 * BC, m_2, i_h, 0, Hv, BT, BC)
+    store_block(tmat, t21, t0 + 2 * BC, m_2, i_h, BC, Hv, BT, BC)
+    store_block(tmat, t22, t0 + 2 * BC, m_2, i_h, 2 * BC, Hv, BT, BC)
+    store_block(tmat, t30, t0 + 3 * BC, m_3, i_h, 0, Hv, BT, BC)
+    store_block(tmat, t31, t0 + 3 * BC, m_3, i_h, BC, Hv, BT, BC)
+    store_block(tmat, t32, t0 + 3 * BC, m_3, i_h, 2 * BC, Hv, BT, BC)
+    store_block(tmat, t33, t0 + 3 * BC, m_3, i_h, 3 * BC, Hv, BT, BC)
     for j in tl.static_range(2, BT // BC):
-        store_block(tmat, b_zero, o_0, m_0, i_h, j * BC, Hv, BT, BC)
+        store_block(tmat, b_zero, t0 + 0 * BC, m_0, i_h, j * BC, Hv, BT, BC)
     for j in tl.static_range(2, BT // BC):
-        store_block(tmat, b_zero, o_1, m_1, i_h, j * BC, Hv, BT, BC)
-    store_block(tmat, b_zero, o_2, m_2, i_h, 3 * BC, Hv, BT, BC)
+        store_block(tmat, b_zero, t0 + 1 * BC, m_1, i_h, j * BC, Hv, BT, BC)
+    store_block(tmat, b_zero, t0 + 2 * BC, m_2, i_h, 3 * BC, Hv, BT, BC)
 
     # Wk = T (k e^c), U = T v, block rows.
-    kd0 = load_rows(k, o_0, m_0, i_hk, Hk, K) * tl.exp(load_rows(c, o_0, m_0, i_h, Hv, K))
-    kd1 = load_rows(k, o_1, m_1, i_hk, Hk, K) * tl.exp(load_rows(c, o_1, m_1, i_h, Hv, K))
-    kd2 = load_rows(k, o_2, m_2, i_hk, Hk, K) * tl.exp(load_rows(c, o_2, m_2, i_h, Hv, K))
-    kd3 = load_rows(k, o_3, m_3, i_hk, Hk, K) * tl.exp(load_rows(c, o_3, m_3, i_h, Hv, K))
-    store_rows(wk, tl.dot(t00, kd0), o_0, m_0, i_h, Hv, K)
-    store_rows(wk, tl.dot(t10, kd0) + tl.dot(t11, kd1), o_1, m_1, i_h, Hv, K)
-    store_rows(wk, tl.dot(t20, kd0) + tl.dot(t21, kd1) + tl.dot(t22, kd2), o_2, m_2, i_h, Hv, K)
-    store_rows(
-        wk, tl.dot(t30, kd0) + tl.dot(t31, kd1) + tl.dot(t32, kd2) + tl.dot(t33, kd3),
-        o_3, m_3, i_h, Hv, K,
-    )
-    v0 = load_rows(v, o_0, m_0, i_h, Hv, V)
-    v1 = load_rows(v, o_1, m_1, i_h, Hv, V)
-    v2 = load_rows(v, o_2, m_2, i_h, Hv, V)
-    v3 = load_rows(v, o_3, m_3, i_h, Hv, V)
-    store_rows(u, tl.dot(t00, v0), o_0, m_0, i_h, Hv, V)
-    store_rows(u, tl.dot(t10, v0) + tl.dot(t11, v1), o_1, m_1, i_h, Hv, V)
-    store_rows(u, tl.dot(t20, v0) + tl.dot(t21, v1) + tl.dot(t22, v2), o_2, m_2, i_h, Hv, V)
-    store_rows(
-        u, tl.dot(t30, v0) + tl.dot(t31, v1) + tl.dot(t32, v2) + tl.dot(t33, v3),
-        o_3, m_3, i_h, Hv, V,
-    )
+    _block_row_product(wk, kd, t00, t00, t00, t00, eos, t0, i_h, 1, Hv, K, BC)
+    _block_row_product(wk, kd, t10, t11, t11, t11, eos, t0, i_h, 2, Hv, K, BC)
+    _block_row_product(wk, kd, t20, t21, t22, t22, eos, t0, i_h, 3, Hv, K, BC)
+    _block_row_product(wk, kd, t30, t31, t32, t33, eos, t0, i_h, 4, Hv, K, BC)
+    _block_row_product(u, v, t00, t00, t00, t00, eos, t0, i_h, 1, Hv, V, BC)
+    _block_row_product(u, v, t10, t11, t11, t11, eos, t0, i_h, 2, Hv, V, BC)
+    _block_row_product(u, v, t20, t21, t22, t22, eos, t0, i_h, 3, Hv, V, BC)
+    _block_row_product(u, v, t30, t31, t32, t33, eos, t0, i_h, 4, Hv, V, BC)
+
+
+@triton.jit
+def _block_row_product(out, src, t_0, t_1, t_2, t_3, eos, t0, i_h, NB: tl.constexpr,
+                       Hv: tl.constexpr, D: tl.constexpr, BC: tl.constexpr):
+    """Store at block row ``NB - 1`` of the chunk: ``sum_{j < NB} t_j @ src_j``.
+
+    ``src_j`` is the j-th 16-row block of the chunk starting at token ``t0``.
+    """
+    o_c = tl.arange(0, BC)
+    b_acc = tl.dot(t_0, load_rows(src, t0, o_c, t0 + o_c < eos, i_h, Hv, D))
+    if NB > 1:
+        b_acc += tl.dot(t_1, load_rows(src, t0 + BC, o_c, t0 + BC + o_c < eos, i_h, Hv, D))
+    if NB > 2:
+        b_acc += tl.dot(t_2, load_rows(src, t0 + 2 * BC, o_c, t0 + 2 * BC + o_c < eos, i_h, Hv, D))
+    if NB > 3:
+        b_acc += tl.dot(t_3, load_rows(src, t0 + 3 * BC, o_c, t0 + 3 * BC + o_c < eos, i_h, Hv, D))
+    t_row = t0 + (NB - 1) * BC
+    store_rows(out, b_acc, t_row, o_c, t_row + o_c < eos, i_h, Hv, D)
 
 
 @triton.jit
 def _two_key_fwd_state_kernel(
-    wk, u, w, c, h, x, h0, ht,
+    wk, u, wl, c, h, x, h0, ht,
     cu_seqlens, chunk_first, s_k, s_v,
     Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BV: tl.constexpr, HAS_H0: tl.constexpr,
@@ -216,61 +232,62 @@ def _two_key_fwd_state_kernel(
     i_n, i_h = i_nh // Hv, i_nh % Hv
     bos = tl.load(cu_seqlens + i_n).to(tl.int64)
     eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-    first = tl.load(chunk_first + i_n).to(tl.int64)
+    # State slots: each sequence owns one per chunk start plus one for its end.
+    slot = tl.load(chunk_first + i_n).to(tl.int64) + i_n
     o_k = tl.arange(0, K)
     o_v = i_v * BV + tl.arange(0, BV)
-    p_state = i_nh.to(tl.int64) * K * V + o_k[:, None] * s_k + o_v[None, :] * s_v
+    o_r = tl.arange(0, BT)
+    p_state = o_k[:, None] * s_k + o_v[None, :] * s_v
+    p_slot = o_k[:, None] * V + o_v[None, :]
+    p_kt = o_r[:, None] * (Hv * K) + o_k[None, :]
+    p_vt = o_r[:, None] * (Hv * V) + o_v[None, :]
     if HAS_H0:
-        b_s = tl.load(h0 + p_state).to(tl.float32)
+        b_s = tl.load(h0 + i_nh.to(tl.int64) * K * V + p_state).to(tl.float32)
     else:
         b_s = tl.zeros([K, BV], dtype=tl.float32)
     for j in range(tl.cdiv(eos - bos, BT)):
         t0 = bos + j * BT
-        o_t = t0 + tl.arange(0, BT)
-        m_t = o_t < eos
+        m_t = (t0 + o_r) < eos
         last = tl.minimum(t0 + BT, eos) - 1
-        p_h = h + ((first + j) * Hv + i_h) * K * V + o_k[:, None] * V + o_v[None, :]
-        tl.store(p_h, b_s.to(h.dtype.element_ty))
-        b_wk = tl.load(
-            wk + (o_t[:, None] * Hv + i_h) * K + o_k[None, :], mask=m_t[:, None], other=0.0
-        )
-        p_x = (o_t[:, None] * Hv + i_h) * V + o_v[None, :]
-        b_u = tl.load(u + p_x, mask=m_t[:, None], other=0.0).to(tl.float32)
-        b_x = b_u - tl.dot(b_wk, b_s.to(b_wk.dtype))
-        tl.store(x + p_x, b_x.to(x.dtype.element_ty), mask=m_t[:, None])
-        b_cl = load_row(c, last, eos, i_h, Hv, K)
-        b_wl = load_rows(w, o_t, m_t, i_h, Hv, K) * tl.exp(
-            b_cl[None, :] - load_rows(c, o_t, m_t, i_h, Hv, K)
-        )
-        b_wl = tl.where(m_t[:, None], b_wl, 0.0).to(b_wk.dtype)
-        b_s = b_s * tl.exp(b_cl)[:, None] + tl.dot(tl.trans(b_wl), b_x.to(b_wk.dtype))
-    tl.store(ht + p_state, b_s)
+        tl.store(h + ((slot + j) * Hv + i_h) * K * V + p_slot, b_s.to(h.dtype.element_ty))
+        b_wk = tl.load(wk + (t0 * Hv + i_h) * K + p_kt, mask=m_t[:, None], other=0.0)
+        b_x = tl.load(u + (t0 * Hv + i_h) * V + p_vt, mask=m_t[:, None], other=0.0).to(tl.float32)
+        b_x -= tl.dot(b_wk, b_s.to(b_wk.dtype))
+        tl.store(x + (t0 * Hv + i_h) * V + p_vt, b_x.to(x.dtype.element_ty), mask=m_t[:, None])
+        b_wl = tl.load(wl + (t0 * Hv + i_h) * K + p_kt, mask=m_t[:, None], other=0.0)
+        b_el = tl.exp(load_row(c, last, eos, i_h, Hv, K))
+        b_s = b_s * b_el[:, None] + tl.dot(tl.trans(b_wl), b_x.to(b_wl.dtype))
+    p_end = ((slot + tl.cdiv(eos - bos, BT)) * Hv + i_h) * K * V
+    tl.store(h + p_end + p_slot, b_s.to(h.dtype.element_ty))
+    tl.store(ht + i_nh.to(tl.int64) * K * V + p_state, b_s)
 
 
 @triton.jit
 def _two_key_fwd_output_kernel(
-    q, c, h, rmat, x, o,
+    qd, h, rmat, x, o,
     cu_seqlens, chunk_seq, chunk_first, N, scale,
-    Hk: tl.constexpr, Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BT: tl.constexpr, BV: tl.constexpr,
+    Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
 ):
     i_c, i_v, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_hk = i_h // (Hv // Hk)
     i_n = tl.load(chunk_seq + i_c)
     if i_n >= N:
         return
     t0, eos = chunk_position(chunk_first, cu_seqlens, i_n, i_c, BT)
-    o_t = t0 + tl.arange(0, BT)
-    m_t = o_t < eos
-    o_k = tl.arange(0, K)
+    o_bt = tl.arange(0, BT)
+    m_t = (t0 + o_bt) < eos
     o_v = i_v * BV + tl.arange(0, BV)
-    b_h = tl.load(h + (i_c.to(tl.int64) * Hv + i_h) * K * V + o_k[:, None] * V + o_v[None, :])
-    b_qd = load_rows(q, o_t, m_t, i_hk, Hk, K) * tl.exp(load_rows(c, o_t, m_t, i_h, Hv, K))
-    b_qd = tl.where(m_t[:, None], b_qd, 0.0)
-    b_r = load_rows(rmat, o_t, m_t, i_h, Hv, BT)
-    p_x = (o_t[:, None] * Hv + i_h) * V + o_v[None, :]
+    p_h = h + ((i_c + i_n).to(tl.int64) * Hv + i_h) * K * V
+    p_x = (t0 * Hv + i_h) * V + (o_bt[:, None] * (Hv * V) + o_v[None, :])
     b_x = tl.load(x + p_x, mask=m_t[:, None], other=0.0)
-    b_o = tl.dot(b_qd.to(b_h.dtype), b_h) + tl.dot(b_r.to(b_x.dtype), b_x)
+    b_r = load_rows(rmat, t0, o_bt, m_t, i_h, Hv, BT).to(b_x.dtype)
+    b_o = tl.dot(b_r, b_x)
+    for i_k in range(K // BK):
+        o_k = i_k * BK + tl.arange(0, BK)
+        b_h = tl.load(p_h + o_k[:, None] * V + o_v[None, :])
+        p_qd = qd + (t0 * Hv + i_h) * K + (o_bt[:, None] * (Hv * K) + o_k[None, :])
+        b_qd = tl.load(p_qd, mask=m_t[:, None], other=0.0)
+        b_o += tl.dot(b_qd, b_h)
     tl.store(o + p_x, (scale * b_o).to(o.dtype.element_ty), mask=m_t[:, None])
 
 
@@ -307,10 +324,13 @@ def two_key_fwd(
         state_v_first: layout of ``initial_state`` and the final state.
 
     Returns:
-        ``(o, final_state, c, tmat, rmat, h, x, chunk_seq, chunk_first)``: ``o`` like
-        ``v``; ``final_state`` float32 in the state layout; the rest are saved for
-        :func:`two_key_bwd` (float32 cumulative decay ``c``, inverse ``T`` and readout
-        ``R`` per chunk row, chunk start states ``h``, innovations ``x``, chunk map).
+        ``(o, final_state, c, qd, kd, wl, tmat, rmat, h, x, chunk_seq, chunk_first)``:
+        ``o`` like ``v``; ``final_state`` float32 in the state layout; the rest are
+        saved for :func:`two_key_bwd`: float32 cumulative decay ``c``; ``q e^c``,
+        ``k e^c``, ``w e^{c_last - c}`` per value head; the inverse ``T`` and the
+        readout ``R`` per chunk row; the states at every chunk boundary
+        ``h`` (one slot per chunk start plus one per sequence end); the innovations
+        ``x``; the chunk map.
 
     Source of the math: :func:`kdn_compile.reference.two_key_chunk_recurrence`.
     """
@@ -325,11 +345,13 @@ def two_key_fwd(
     qf, kf, wf, vf, gf = (_tokens_major(t) for t in (q, k, w, v, log_decay))
     tokens = batch * length
     c = q.new_empty((tokens, hv, key_dim), dtype=torch.float32)
-    tmat = q.new_empty((tokens, hv, BT), dtype=torch.float32)
-    rmat = q.new_empty((tokens, hv, BT), dtype=torch.float32)
+    qd, kd, wl = (q.new_empty((tokens, hv, key_dim), dtype=dt) for _ in range(3))
+    ascr = q.new_empty((tokens, hv, BT), dtype=torch.float32)
+    tmat = q.new_empty((tokens, hv, BT), dtype=dt)
+    rmat = q.new_empty((tokens, hv, BT), dtype=dt)
     wk = q.new_empty((tokens, hv, key_dim), dtype=dt)
     u = q.new_empty((tokens, hv, value_dim), dtype=dt)
-    h = q.new_empty((num_chunks, hv, key_dim, value_dim), dtype=dt)
+    h = q.new_empty((num_chunks + num_seqs, hv, key_dim, value_dim), dtype=dt)
     x = q.new_empty((tokens, hv, value_dim), dtype=dt)
     o = v.new_empty((tokens, hv, value_dim))
     state_shape = (num_seqs, hv, value_dim, key_dim) if state_v_first else (
@@ -339,23 +361,26 @@ def two_key_fwd(
     h0 = initial_state.contiguous() if initial_state is not None else final_state
 
     wrap_triton(_two_key_fwd_intra_kernel)[(num_chunks, hv)](
-        qf, kf, wf, vf, gf, c, tmat, rmat, wk, u,
+        qf, kf, wf, vf, gf, c, qd, kd, wl, ascr, tmat, rmat, wk, u,
         bounds, chunk_seq, chunk_first, num_seqs,
         Hk=hk, Hv=hv, K=key_dim, V=value_dim, BT=BT, BC=BC,
         num_warps=4,
     )
     block_v = min(64, value_dim)
-    wrap_triton(_two_key_fwd_state_kernel)[(triton.cdiv(value_dim, block_v), num_seqs * hv)](
-        wk, u, wf, c, h, x, h0, final_state,
+    # 32-wide value tiles: twice the programs of 64 for the sequential pass and
+    # no spills (ptxas, sm_90: 140 registers at BV=32, 236 at BV=64).
+    state_v = min(32, value_dim)
+    wrap_triton(_two_key_fwd_state_kernel)[(triton.cdiv(value_dim, state_v), num_seqs * hv)](
+        wk, u, wl, c, h, x, h0, final_state,
         bounds, chunk_first, s_k, s_v,
-        Hv=hv, K=key_dim, V=value_dim, BT=BT, BV=block_v,
+        Hv=hv, K=key_dim, V=value_dim, BT=BT, BV=state_v,
         HAS_H0=initial_state is not None,
         num_warps=4,
     )
     wrap_triton(_two_key_fwd_output_kernel)[(num_chunks, triton.cdiv(value_dim, block_v), hv)](
-        qf, c, h, rmat, x, o,
+        qd, h, rmat, x, o,
         bounds, chunk_seq, chunk_first, num_seqs, scale,
-        Hk=hk, Hv=hv, K=key_dim, V=value_dim, BT=BT, BV=block_v,
+        Hv=hv, K=key_dim, V=value_dim, BT=BT, BK=min(64, key_dim), BV=block_v,
         num_warps=4,
     )
-    return (o.view(v.shape), final_state, c, tmat, rmat, h, x, chunk_seq, chunk_first)
+    return (o.view(v.shape), final_state, c, qd, kd, wl, tmat, rmat, h, x, chunk_seq, chunk_first)

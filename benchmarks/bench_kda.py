@@ -1,0 +1,136 @@
+"""KDA chunked prefill/training: our two-key Triton kernels against FLA's ``chunk_kda``.
+
+Times, side by side in one process, at K = V = 128 in bf16 with an fp32 initial
+state and the final state returned:
+
+* forward: ours = ``w = beta k`` (one elementwise op) + :func:`two_key_fwd`;
+  FLA = ``fla.ops.kda.chunk_kda(..., output_final_state=True)``;
+* forward + backward of a random output gradient: ours adds :func:`two_key_bwd`
+  and the ``beta`` chain rule (``dbeta = sum(dw k)``, ``dk += beta dw``); FLA
+  through autograd.
+
+Before timing, checks that both agree on the output (relative error printed).
+Prints a markdown table and, when ``$OUT`` is set, writes the rows as JSON there.
+Run: ``python benchmarks/bench_kda.py [--shapes 8x4096x16,1x32768x16]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+
+import torch
+import torch.nn.functional as F
+import triton
+
+from kdn_compile.lowering.two_key_bwd import two_key_bwd
+from kdn_compile.lowering.two_key_fwd import two_key_fwd
+
+
+def make_inputs(B, T, H, K=128, V=128, dtype=torch.bfloat16, seed=0):
+    torch.manual_seed(seed)
+    dev = "cuda"
+    q = F.normalize(torch.randn(B, T, H, K, device=dev), dim=-1).to(dtype)
+    k = F.normalize(torch.randn(B, T, H, K, device=dev), dim=-1).to(dtype)
+    v = torch.randn(B, T, H, V, device=dev, dtype=dtype)
+    g = F.logsigmoid(torch.randn(B, T, H, K, device=dev)).clamp_min(-5.0) / 4
+    beta = torch.rand(B, T, H, device=dev, dtype=dtype)
+    h0 = torch.randn(B, H, K, V, device=dev, dtype=torch.float32)
+    return q, k, v, g, beta, h0
+
+
+def ours_fwd(q, k, v, g, beta, h0, scale):
+    w = beta[..., None] * k
+    return two_key_fwd(q, k, w, v, g, h0, None, chunk_size=64, scale=scale, state_v_first=False)
+
+
+def ours_fwd_bwd(q, k, v, g, beta, h0, scale, do):
+    w = beta[..., None] * k
+    o, final, *saved = two_key_fwd(q, k, w, v, g, h0, None, chunk_size=64, scale=scale,
+                                   state_v_first=False)
+    dq, dk, dw, dv, dg, dh0 = two_key_bwd(q, k, w, v, g, h0, None, *saved, do, None,
+                                          chunk_size=64, scale=scale, state_v_first=False)
+    dbeta = (dw.float() * k.float()).sum(-1)
+    dk = dk + beta[..., None] * dw
+    return dq, dk, dv, dg, dbeta, dh0
+
+
+def bench(fn):
+    return triton.testing.do_bench(fn, warmup=50, rep=200, return_mode="median")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", default="8x4096x16,1x32768x16")
+    parser.add_argument("--profile", action="store_true",
+                        help="also print per-kernel CUDA times of one fwd+bwd (first shape)")
+    args = parser.parse_args()
+    try:
+        from fla.ops.kda import chunk_kda
+    except ImportError:
+        chunk_kda = None
+    rows = []
+    for shape in args.shapes.split(","):
+        B, T, H = (int(s) for s in shape.split("x"))
+        q, k, v, g, beta, h0 = make_inputs(B, T, H)
+        scale = 128 ** -0.5
+        do = torch.randn_like(v)
+        row = {"shape": shape}
+        o, final, *_ = ours_fwd(q, k, v, g, beta, h0, scale)
+        row["ours_fwd"] = bench(lambda: ours_fwd(q, k, v, g, beta, h0, scale))
+        row["ours_fwd_bwd"] = bench(lambda: ours_fwd_bwd(q, k, v, g, beta, h0, scale, do))
+        if chunk_kda is not None:
+            o_fla, s_fla = chunk_kda(q, k, v, g, beta, scale=scale, initial_state=h0,
+                                     output_final_state=True)
+            row["o_vs_fla"] = float((o.float() - o_fla.float()).norm() / o_fla.float().norm())
+            row["state_vs_fla"] = float((final - s_fla.float()).norm() / s_fla.float().norm())
+            row["fla_fwd"] = bench(lambda: chunk_kda(q, k, v, g, beta, scale=scale,
+                                                     initial_state=h0, output_final_state=True))
+            leaves = [t.detach().clone().requires_grad_() for t in (q, k, v, g, beta, h0)]
+
+            def fla_fwd_bwd():
+                out, _ = chunk_kda(*leaves[:5], scale=scale, initial_state=leaves[5],
+                                   output_final_state=True)
+                torch.autograd.backward([out], [do])
+
+            row["fla_fwd_bwd"] = bench(fla_fwd_bwd)
+        rows.append(row)
+        del q, k, v, g, beta, h0, do
+        torch.cuda.empty_cache()
+
+    if args.profile:
+        B, T, H = (int(s) for s in args.shapes.split(",")[0].split("x"))
+        q, k, v, g, beta, h0 = make_inputs(B, T, H)
+        do = torch.randn_like(v)
+        ours_fwd_bwd(q, k, v, g, beta, h0, 128 ** -0.5, do)
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                ours_fwd_bwd(q, k, v, g, beta, h0, 128 ** -0.5, do)
+            torch.cuda.synchronize()
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14))
+
+    meta = {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+        "triton": triton.__version__,
+    }
+    print(f"\n{meta['date']}, {meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}; "
+          "K = V = 128, bf16, ms (do_bench median)")
+    print("| B x T x H | FLA fwd | ours fwd | ratio | FLA fwd+bwd | ours fwd+bwd | ratio |"
+          " o vs FLA |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        fla_f, fla_fb = r.get("fla_fwd", float("nan")), r.get("fla_fwd_bwd", float("nan"))
+        print(f"| {r['shape']} | {fla_f:.3f} | {r['ours_fwd']:.3f} | {r['ours_fwd'] / fla_f:.2f} "
+              f"| {fla_fb:.3f} | {r['ours_fwd_bwd']:.3f} | {r['ours_fwd_bwd'] / fla_fb:.2f} "
+              f"| {r.get('o_vs_fla', float('nan')):.1e} |")
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "bench_kda.json"), "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,198 @@
+"""Two-key per-key-decay kernels (lowering/two_key*.py) against the float64 reference.
+
+Forward (output, final state) and every gradient (q, k, w, v, log_decay,
+initial state) against ``reference.two_key_chunk_recurrence`` under autograd in
+float64, run per sequence. Cases: odd lengths (1, 63, 65, 100), grouped heads,
+with and without an initial state, ``state_v_first``, packed sequences (with an
+empty and a one-token sequence), gates at the Diag-KDN floor ``log(1e-6)`` and at
+the documented bound ``-20`` per token. Every kernel output is poisoned with NaN
+before it is written. Without CUDA the kernels run in the Triton interpreter at
+tiny sizes; the CUDA cases (bf16/fp32, K = V = 128, long T) skip without a GPU.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from kdn_compile.lowering.two_key_bwd import two_key_bwd  # noqa: E402
+from kdn_compile.lowering.two_key_common import (  # noqa: E402
+    LOG_DECAY_BOUND,
+    two_key_kernel_supports,
+)
+from kdn_compile.lowering.two_key_fwd import two_key_fwd  # noqa: E402
+from kdn_compile.reference import LOG_MEMORY_ALPHA_FLOOR, two_key_chunk_recurrence  # noqa: E402
+
+from _helpers import assert_close  # noqa: E402
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+GRADS = ("q", "k", "w", "v", "log_decay", "initial_state")
+
+
+def two_key_inputs(B, T, Hk, Hv, K, V, *, N=None, seed=0, gate_min=-1.0, floor_share=0.0,
+                   with_state=True, state_v_first=False):
+    """float64 inputs: unit q/k, ``w = beta k`` (per value head), gates in (gate_min, 0).
+
+    A ``floor_share`` of the gates sits exactly at ``gate_min`` (the safety bound).
+    """
+    gen = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
+    u = lambda *s: torch.rand(*s, generator=gen, dtype=torch.float64)  # noqa: E731
+    q = F.normalize(r(B, T, Hk, K), dim=-1)
+    k = F.normalize(r(B, T, Hk, K), dim=-1)
+    w = k.repeat_interleave(Hv // Hk, 2) * u(B, T, Hv, 1)
+    g = gate_min * u(B, T, Hv, K)
+    g = torch.where(u(B, T, Hv, K) < floor_share, torch.full_like(g, gate_min), g)
+    n = B if N is None else N
+    state = None
+    if with_state:
+        state = r(n, Hv, V, K) if state_v_first else r(n, Hv, K, V)
+    return {"q": q, "k": k, "w": w, "v": r(B, T, Hv, V), "log_decay": g, "initial_state": state}
+
+
+def reference(x, cu_seqlens, do, dht, *, scale, state_v_first):
+    """``(o, final_state, grads)`` in float64; grads ordered as GRADS (None if absent)."""
+    x = {n: (t.detach().double().requires_grad_() if t is not None else None) for n, t in x.items()}
+    q, k, w, v, g = (x[n] for n in GRADS[:5])
+    hv, group = v.shape[2], v.shape[2] // q.shape[2]
+    B, T = q.shape[:2]
+    n_seq = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    state = x["initial_state"]
+    if state is None:
+        state = q.new_zeros(n_seq, hv, k.shape[-1], v.shape[-1])
+    elif state_v_first:
+        state = state.transpose(-1, -2)
+    heads = lambda t: t.repeat_interleave(group, 2).transpose(1, 2) if t.shape[2] != hv else t.transpose(1, 2)  # noqa: E731,E501
+    bounds = [0, T] if cu_seqlens is None else cu_seqlens.tolist()
+    outs, finals = [], []
+    for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
+        rows = slice(None) if cu_seqlens is None else slice(i, i + 1)
+        o, s = two_key_chunk_recurrence(
+            *(heads(t[:, a:b]) for t in (q, k, w, v, g)), state[rows], scale=scale, chunk_size=64
+        )
+        outs.append(o.transpose(1, 2))
+        finals.append(s)
+    o, final = torch.cat(outs, 1), torch.cat(finals, 0)
+    if state_v_first:
+        final = final.transpose(-1, -2)
+    loss = (o * do.double()).sum() + (final * dht.double()).sum()
+    inputs = [x[n] for n in GRADS if x[n] is not None]
+    grads = iter(torch.autograd.grad(loss, inputs))
+    return o, final, [next(grads) if x[n] is not None else None for n in GRADS]
+
+
+@pytest.fixture
+def poisoned(monkeypatch):
+    """Every ``new_empty`` float tensor starts as NaN: unwritten elements fail the checks."""
+    original = torch.Tensor.new_empty
+
+    def new_empty(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        if out.is_floating_point():
+            out.fill_(math.nan)
+        return out
+
+    monkeypatch.setattr(torch.Tensor, "new_empty", new_empty)
+
+
+def run_case(x, cu_seqlens, *, dtype, device, tol, state_v_first=False, seed=1):
+    K = x["q"].shape[-1]
+    scale = K ** -0.5
+    gen = torch.Generator().manual_seed(seed)
+    do = torch.randn(x["v"].shape, generator=gen, dtype=torch.float64)
+    n_seq = x["q"].shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1
+    hv, V = x["v"].shape[2:]
+    dht_shape = (n_seq, hv, V, K) if state_v_first else (n_seq, hv, K, V)
+    dht = torch.randn(dht_shape, generator=gen, dtype=torch.float64)
+    o_ref, s_ref, g_ref = reference(
+        {n: t.to(device) if t is not None else None for n, t in x.items()},
+        cu_seqlens, do.to(device), dht.to(device), scale=scale, state_v_first=state_v_first,
+    )
+
+    dev = {n: (t.to(device=device, dtype=dtype if n != "initial_state" else torch.float32)
+               if t is not None else None) for n, t in x.items()}
+    cu = cu_seqlens.to(device) if cu_seqlens is not None else None
+    assert two_key_kernel_supports(dev["q"], dev["v"], chunk_size=64)
+    o, final, *saved = two_key_fwd(
+        dev["q"], dev["k"], dev["w"], dev["v"], dev["log_decay"], dev["initial_state"], cu,
+        chunk_size=64, scale=scale, state_v_first=state_v_first,
+    )
+    assert o.dtype == dtype and final.dtype == torch.float32
+    assert_close(o, o_ref, tol, "o")
+    assert_close(final, s_ref, tol, "final_state")
+    grads = two_key_bwd(
+        dev["q"], dev["k"], dev["w"], dev["v"], dev["log_decay"], dev["initial_state"], cu,
+        *saved, do.to(device, dtype), dht.to(device, torch.float32),
+        chunk_size=64, scale=scale, state_v_first=state_v_first,
+    )
+    for name, got, want in zip(GRADS, grads, g_ref):
+        if want is None:  # zero initial state: its gradient is still returned
+            continue
+        assert_close(got, want, tol, f"d{name}")
+
+
+# ---------------------------------------------------------------- interpreter / CPU
+
+CPU_CASES = [
+    # id, (B, T, Hk, Hv, K, V), cu_seqlens, gate_min, floor_share, with_state, state_v_first
+    ("T1", (1, 1, 1, 1, 16, 16), None, -1.0, 0.0, True, False),
+    ("T63-grouped", (1, 63, 1, 2, 16, 16), None, -1.0, 0.0, True, False),
+    ("T65-K32-floor", (1, 65, 1, 1, 32, 16), None, LOG_MEMORY_ALPHA_FLOOR, 0.5, True, False),
+    ("T100-V32-nostate", (1, 100, 1, 1, 16, 32), None, -1.0, 0.0, False, False),
+    ("varlen-vfirst", (1, 100, 1, 1, 16, 16), [0, 1, 1, 66, 100], -1.0, 0.0, True, True),
+    ("bound", (1, 40, 1, 1, 16, 16), None, LOG_DECAY_BOUND, 0.5, True, False),
+]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter cases run without CUDA")
+@pytest.mark.parametrize("case", CPU_CASES, ids=[c[0] for c in CPU_CASES])
+def test_interpreter_matches_reference(case, poisoned):
+    _, (B, T, Hk, Hv, K, V), cu, gate_min, share, with_state, v_first = case
+    cu_seqlens = torch.tensor(cu) if cu is not None else None
+    N = None if cu is None else len(cu) - 1
+    x = two_key_inputs(B, T, Hk, Hv, K, V, N=N, gate_min=gate_min, floor_share=share,
+                       with_state=with_state, state_v_first=v_first)
+    run_case(x, cu_seqlens, dtype=torch.float32, device="cpu", tol=1e-4, state_v_first=v_first)
+
+
+def test_supports():
+    q = torch.empty(1, 4, 2, 128)
+    assert two_key_kernel_supports(q, torch.empty(1, 4, 2, 128), chunk_size=64)
+    assert not two_key_kernel_supports(q, torch.empty(1, 4, 2, 128), chunk_size=32)
+    assert not two_key_kernel_supports(q, torch.empty(1, 4, 2, 96), chunk_size=64)
+    assert not two_key_kernel_supports(q.double(), torch.empty(1, 4, 2, 128).double(),
+                                       chunk_size=64)
+
+
+# ---------------------------------------------------------------- CUDA
+
+CUDA_CASES = [
+    ("bf16-grouped", torch.bfloat16, (2, 1000, 2, 4, 128, 128), None, -1.0, 0.0, False),
+    ("fp32", torch.float32, (1, 777, 2, 2, 128, 128), None, -1.0, 0.0, False),
+    ("fp16-K64", torch.float16, (1, 500, 1, 2, 64, 128), None, -1.0, 0.0, False),
+    ("bf16-varlen-vfirst", torch.bfloat16, (1, 2000, 2, 2, 128, 128), [0, 300, 301, 301, 2000],
+     -1.0, 0.0, True),
+    ("bf16-floor", torch.bfloat16, (1, 1000, 2, 2, 128, 128), None, LOG_MEMORY_ALPHA_FLOOR, 0.5,
+     False),
+    ("bf16-bound", torch.bfloat16, (1, 300, 1, 1, 128, 128), None, LOG_DECAY_BOUND, 0.5, False),
+    ("bf16-long", torch.bfloat16, (1, 16384, 1, 2, 128, 128), None, -0.1, 0.0, False),
+]
+
+
+@needs_cuda
+@pytest.mark.parametrize("case", CUDA_CASES, ids=[c[0] for c in CUDA_CASES])
+def test_cuda_matches_reference(case, poisoned):
+    _, dtype, (B, T, Hk, Hv, K, V), cu, gate_min, share, v_first = case
+    cu_seqlens = torch.tensor(cu) if cu is not None else None
+    N = None if cu is None else len(cu) - 1
+    x = two_key_inputs(B, T, Hk, Hv, K, V, N=N, gate_min=gate_min, floor_share=share,
+                       state_v_first=v_first)
+    tol = 5e-3 if dtype == torch.float32 else 1e-2
+    run_case(x, cu_seqlens, dtype=dtype, device="cuda", tol=tol, state_v_first=v_first)
