@@ -41,6 +41,9 @@ napoleon_use_ivar = True
 
 autodoc_member_order = "bysource"
 autodoc_typehints = "description"
+autodoc_typehints_description_target = "documented_params"
+# nn.Module.forward's generic docstring says nothing about our layers.
+autodoc_inherit_docstrings = False
 autodoc_typehints_format = "short"
 autodoc_preserve_defaults = True
 autodoc_default_options = {"show-inheritance": True}
