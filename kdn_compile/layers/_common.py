@@ -17,11 +17,14 @@ from torch import nn
 class ShortConv(nn.Module):
     """Causal depthwise convolution over time followed by SiLU, with a decode cache.
 
-    The cache holds the last ``kernel_size - 1`` inputs of each sequence,
-    ``[N, channels, kernel_size - 1]``, so a sequence split across calls
-    (prefill, then token-by-token decode) gives the same outputs as one call.
-    With ``cu_seqlens`` (``B == 1``, ``N`` packed sequences) every tap reads only
-    from its own sequence, or from that sequence's cache row.
+    ``y_t = silu(sum_j weight[:, j] * x_{t - kernel_size + 1 + j})``, written as
+    shifted multiply-adds (no convolution op: elementwise work Inductor fuses,
+    and no size specialization in its backward). The cache holds the last
+    ``kernel_size - 1`` inputs of each sequence, ``[N, kernel_size - 1, C]``,
+    so a sequence split across calls (prefill, then token-by-token decode)
+    gives the same outputs as one call. With ``cu_seqlens`` (``B == 1``, ``N``
+    packed sequences) every tap reads only from its own sequence, or from that
+    sequence's cache row.
 
     Args:
         channels: number of channels ``C`` (one filter per channel).
@@ -43,23 +46,22 @@ class ShortConv(nn.Module):
         cache: torch.Tensor | None = None,
         cu_seqlens: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``x [B, T, C]`` -> ``(silu(conv(x)) [B, T, C], cache [N, C, kernel_size - 1])``."""
+        """``x [B, T, C]`` -> ``(y [B, T, C], cache [N, kernel_size - 1, C])``."""
         if cu_seqlens is None:
             y, cache = self._fixed(x, cache)
         else:
             y, cache = self._packed(x, cache, cu_seqlens)
         return F.silu(y), cache
 
-    def _empty_cache(self, x: torch.Tensor, rows: int) -> torch.Tensor:
-        return x.new_zeros((rows, x.shape[-1], self.kernel_size - 1))
-
     def _fixed(self, x, cache):
+        tail = self.kernel_size - 1
         if cache is None:
-            cache = self._empty_cache(x, x.shape[0])
-        padded = torch.cat((cache.to(x.dtype), x.transpose(1, 2)), dim=-1)
-        weight = self.weight.to(x.dtype)[:, None, :]
-        y = F.conv1d(padded, weight, groups=x.shape[-1])
-        return y.transpose(1, 2), padded[..., -(self.kernel_size - 1):]
+            cache = x.new_zeros((x.shape[0], tail, x.shape[-1]))
+        padded = torch.cat((cache.to(x.dtype), x), dim=1)
+        length = x.shape[1]
+        weight = self.weight.to(x.dtype)
+        y = sum(padded[:, j : j + length] * weight[:, j] for j in range(self.kernel_size))
+        return y, padded[:, length:]
 
     def _packed(self, x, cache, cu_seqlens):
         # One pool of rows: every sequence's cache, then the packed tokens. Each
@@ -68,8 +70,8 @@ class ShortConv(nn.Module):
         tail = self.kernel_size - 1
         count = cu_seqlens.shape[0] - 1
         if cache is None:
-            cache = self._empty_cache(x, count)
-        pool = torch.cat((cache.to(x.dtype).transpose(1, 2).reshape(-1, x.shape[-1]), x[0]))
+            cache = x.new_zeros((count, tail, x.shape[-1]))
+        pool = torch.cat((cache.to(x.dtype).flatten(0, 1), x[0]))
         starts = cu_seqlens.to(torch.long)
         steps = torch.arange(x.shape[1], device=x.device)
         sequence = torch.searchsorted(starts[1:], steps, right=True)
@@ -79,15 +81,14 @@ class ShortConv(nn.Module):
             """Pool row of relative position ``pos`` (may be < 0) in sequence ``seq``."""
             return torch.where(pos >= 0, count * tail + starts[seq] + pos, seq * tail + tail + pos)
 
+        weight = self.weight.to(x.dtype)
         y = sum(
-            pool[row(sequence, position - shift)] * self.weight[:, tail - shift].to(x.dtype)
-            for shift in range(self.kernel_size)
+            pool[row(sequence, position - tail + j)] * weight[:, j] for j in range(self.kernel_size)
         )
         lengths = starts[1:] - starts[:-1]
         last = lengths[:, None] - tail + torch.arange(tail, device=x.device)
-        ids = torch.arange(count, device=x.device)[:, None]
-        new_cache = pool[row(ids.expand_as(last), last)].transpose(1, 2)
-        return y[None], new_cache
+        ids = torch.arange(count, device=x.device)[:, None].expand_as(last)
+        return y[None], pool[row(ids, last)]
 
 
 class GatedRMSNorm(nn.Module):

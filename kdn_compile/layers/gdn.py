@@ -44,7 +44,7 @@ class GatedDeltaNet(nn.Module):
 
     ``forward(x, state=None, cu_seqlens=None) -> (y, state)``: ``state`` is
     ``None`` (start of sequence) or the dict returned by the previous call,
-    ``{"conv": [N, 2 * Hk * K + Hv * V, conv_size - 1], "recurrent": [N, Hv, K, V]}``
+    ``{"conv": [N, conv_size - 1, 2 * Hk * K + Hv * V], "recurrent": [N, Hv, K, V]}``
     (the recurrent state in float32, float64 for float64 inputs). With
     ``cu_seqlens`` (``[N + 1]`` int boundaries, ``B == 1``) the packed
     sequences stay independent, convolution included.

@@ -35,7 +35,7 @@ class DiagKDN(nn.Module):
 
     ``forward(x, state=None, cu_seqlens=None) -> (y, state)``: ``state`` is
     ``None`` (start: zero memory, learned prior precision) or the dict returned
-    by the previous call, ``{"conv": [N, 2 * H * K + H * V, conv_size - 1],
+    by the previous call, ``{"conv": [N, conv_size - 1, 2 * H * K + H * V],
     "memory": [N, H, K, V], "precision": [N, H, K]}`` (memory and precision in
     float32, float64 for float64 inputs).
     """

@@ -1,0 +1,165 @@
+"""Layers: shapes, prefill + decode == one pass, packed sequences, compile and export."""
+
+from __future__ import annotations
+
+import io
+
+import expecttest
+import pytest
+import torch
+
+import kdn_compile
+from _helpers import assert_close
+from kdn_compile.layers import DiagKDN, GatedDeltaNet, KimiDeltaAttention
+from kdn_compile.layers._common import ShortConv
+
+D = 24
+LAYERS = {
+    "gdn": lambda: GatedDeltaNet(D, 2, 8, num_v_heads=4, head_v_dim=6, chunk_size=8),
+    "kda": lambda: KimiDeltaAttention(D, 2, 8, head_v_dim=6, chunk_size=8),
+    "kdn": lambda: DiagKDN(D, 2, 8, head_v_dim=6, chunk_size=8),
+}
+STATE_SHAPES = {  # N = 3 rows; conv [N, 3, 2 * Hk * K + Hv * V]
+    "gdn": {"conv": (3, 3, 56), "recurrent": (3, 4, 8, 6)},
+    "kda": {"conv": (3, 3, 44), "recurrent": (3, 2, 8, 6)},
+    "kdn": {"conv": (3, 3, 44), "memory": (3, 2, 8, 6), "precision": (3, 2, 8)},
+}
+
+
+def make_layer(name, dtype=torch.float64, seed=0):
+    torch.manual_seed(seed)
+    return LAYERS[name]().to(dtype)
+
+
+def inputs(B, T, dtype=torch.float64, seed=1):
+    return torch.randn(B, T, D, generator=torch.Generator().manual_seed(seed), dtype=dtype)
+
+
+def assert_states_close(a, b, tol, what):
+    assert a.keys() == b.keys(), what
+    for key in a:
+        assert_close(a[key], b[key], tol, f"{what} state {key}")
+
+
+@pytest.mark.parametrize("name", sorted(LAYERS))
+def test_shapes_and_state(name):
+    layer = make_layer(name, torch.float32)
+    y, state = layer(inputs(3, 13, torch.float32))
+    assert y.shape == (3, 13, D) and y.dtype == torch.float32
+    assert {k: tuple(v.shape) for k, v in state.items()} == STATE_SHAPES[name]
+    assert all(s.dtype == torch.float32 for k, s in state.items() if k != "conv")
+
+
+def test_grouped_value_heads_must_divide():
+    with pytest.raises(ValueError, match="num_v_heads"):
+        GatedDeltaNet(D, 3, 8, num_v_heads=4)
+
+
+@pytest.mark.parametrize("name", sorted(LAYERS))
+def test_prefill_then_decode_equals_one_pass(name):
+    layer, x = make_layer(name), inputs(2, 21)
+    full, full_state = layer(x)
+    y, state = layer(x[:, :13])
+    pieces = [y]
+    for t in range(13, 21):
+        y, state = layer(x[:, t : t + 1], state)
+        pieces.append(y)
+    assert_close(torch.cat(pieces, dim=1), full, 1e-12, f"{name} prefill + decode")
+    assert_states_close(state, full_state, 1e-12, name)
+
+
+@pytest.mark.parametrize("name", sorted(LAYERS))
+def test_packed_sequences_equal_separate(name):
+    # lengths 5, 0, 2 (shorter than the conv window), 14; then a second call continues each
+    layer = make_layer(name)
+    cu = torch.tensor([0, 5, 5, 7, 21])
+    first, second = inputs(1, 21, seed=2), inputs(1, 21, seed=3)
+    packed1, state1 = layer(first, cu_seqlens=cu)
+    packed2, state2 = layer(second, state1, cu_seqlens=cu)
+    rows = [n for n in range(4) if cu[n + 1] > cu[n]]
+    for n in rows:
+        span = slice(int(cu[n]), int(cu[n + 1]))
+        y1, s1 = layer(first[:, span])
+        y2, s2 = layer(second[:, span], s1)
+        assert_close(packed1[:, span], y1, 1e-12, f"{name} sequence {n}, first call")
+        assert_close(packed2[:, span], y2, 1e-12, f"{name} sequence {n}, second call")
+        assert_states_close({k: v[n : n + 1] for k, v in state2.items()}, s2, 1e-12, name)
+
+
+def test_conv_does_not_leak_across_sequences():
+    conv = ShortConv(3).double()
+    cu = torch.tensor([0, 4, 9])
+    x = torch.randn(1, 9, 3, dtype=torch.float64)
+    poked = x.clone()
+    poked[:, :4] += 100.0  # change only the first sequence
+    y, _ = conv(x, cu_seqlens=cu)
+    y_poked, _ = conv(poked, cu_seqlens=cu)
+    assert torch.equal(y[:, 4:], y_poked[:, 4:])
+    assert not torch.equal(y[:, :4], y_poked[:, :4])
+
+
+def _compile_over_lengths(name, backend, lengths=(17, 33, 50)):
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    layer = make_layer(name, torch.float32)
+    compiled = torch.compile(layer, backend=backend, fullgraph=True, dynamic=True)
+    for i, T in enumerate(lengths):
+        x = inputs(2, T, torch.float32, seed=T)
+        y_eager, s_eager = layer(x)
+        grads_eager = torch.autograd.grad(y_eager.square().sum(), list(layer.parameters()))
+        # after the first length, a recompile raises instead of compiling again
+        with torch.compiler.set_stance("fail_on_recompile" if i else "default"):
+            y_comp, s_comp = compiled(x)
+        grads_comp = torch.autograd.grad(y_comp.square().sum(), list(layer.parameters()))
+        assert_close(y_comp, y_eager, 1e-5, f"{name} compiled value T={T}")
+        assert_states_close(s_comp, s_eager, 1e-5, f"{name} compiled T={T}")
+        for (pname, _), a, b in zip(layer.named_parameters(), grads_comp, grads_eager):
+            assert_close(a, b, 1e-4, f"{name} compiled grad {pname} T={T}")
+    assert not counters["graph_break"], counters["graph_break"]
+
+
+@pytest.mark.parametrize("name", sorted(LAYERS))
+def test_compile_fullgraph_dynamic(name):
+    # aot_eager: Dynamo + AOTAutograd over fake tensors, without Inductor's C++ build time
+    _compile_over_lengths(name, "aot_eager")
+
+
+def test_compile_fullgraph_dynamic_inductor():
+    _compile_over_lengths("gdn", "inductor")
+
+
+class TestExport(expecttest.TestCase):
+    def _export_round_trip(self, name):
+        layer = make_layer(name, torch.float32)
+        length = torch.export.Dim("T", min=2, max=1024)
+        with kdn_compile.use_backend("reference"):
+            program = torch.export.export(layer, (inputs(1, 19, torch.float32),),
+                                          dynamic_shapes=({1: length},))
+            buffer = io.BytesIO()
+            torch.export.save(program, buffer)
+            buffer.seek(0)
+            loaded = torch.export.load(buffer)
+            x = inputs(1, 45, torch.float32, seed=4)
+            want, want_state = layer(x)
+        for prog in (program, loaded):
+            got, got_state = prog.module()(x)
+            assert_close(got, want, 1e-6, f"exported {name} at T=45")
+            assert_states_close(got_state, want_state, 1e-6, f"exported {name}")
+        return sorted(
+            str(node.target) for node in program.graph.nodes
+            if node.op == "call_function" and str(node.target).startswith("kdn.")
+        )
+
+    def test_export_gdn(self):
+        ops = self._export_round_trip("gdn")
+        self.assertExpectedInline(str(ops), """['kdn.chunk_gdn_reference.default']""")
+
+    def test_export_kda(self):
+        ops = self._export_round_trip("kda")
+        self.assertExpectedInline(str(ops), """['kdn.chunk_kda_reference.default']""")
+
+    def test_export_kdn(self):
+        ops = self._export_round_trip("kdn")
+        self.assertExpectedInline(str(ops), """['kdn.diag_kdn_reference.default']""")
