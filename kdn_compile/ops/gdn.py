@@ -1,7 +1,10 @@
 """``kdn`` ops of chunked Gated DeltaNet (scalar decay per token and value head).
 
 * ``kdn::chunk_gdn`` (triton_op) and ``kdn::chunk_gdn_reference``: the whole
-  chunked recurrence, optional FP8 state fake quantization included.
+  chunked recurrence, optional FP8 state fake quantization included. Where the
+  Triton kernels of ``lowering/chunk_gdn_*.py`` cover the inputs (see
+  :func:`_gdn_kernels`), the forward launches them and the backward is
+  ``kdn::chunk_gdn_bwd`` (triton_op); elsewhere both take the reference.
 * ``kdn::gdn_wy_operands_reference`` and ``kdn::gdn_wy_recurrence_reference``:
   the same computation cut in two around the WY operand ``W`` so that a user's
   ``w_quantizer`` (a Python callable, which no schema can carry) runs between
@@ -16,6 +19,9 @@ import torch
 from torch import Tensor
 
 from kdn_compile import reference as ref
+from kdn_compile.lowering.chunk_gdn_bwd import chunk_gdn_bwd
+from kdn_compile.lowering.chunk_gdn_fwd import chunk_gdn_fwd, gdn_kernel_supports
+from kdn_compile.ops._dispatch import can_launch
 from kdn_compile.ops._registry import FamilyOps
 from kdn_compile.ops._shapes import empty_state
 
@@ -51,6 +57,21 @@ CHUNK_GDN = FamilyOps(
 )
 
 
+def _gdn_kernels(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size, state_qdq) -> bool:
+    """Whether ``kdn::chunk_gdn`` runs on its Triton kernels (else the reference).
+
+    Kernels: a device that can launch them (CUDA, or eager CPU under
+    ``TRITON_INTERPRET=1``), no FP8 state quantization, and the shapes and
+    dtypes of :func:`~kdn_compile.lowering.chunk_gdn_fwd.gdn_kernel_supports`
+    (chunk size 64, K and V powers of two up to 256, half or float32 inputs).
+    """
+    return (
+        not state_qdq
+        and can_launch(q)
+        and gdn_kernel_supports(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size)
+    )
+
+
 @torch.library.triton_op("kdn::chunk_gdn", mutates_args=())
 def chunk_gdn_op(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
@@ -59,14 +80,51 @@ def chunk_gdn_op(
     state_qdq: bool, state_qdq_block_v: int,
 ) -> tuple[Tensor, Tensor]:
     """Chunked GDN; launches Triton where it can, else the reference op."""
-    # Kernel branch: added with the GDN Triton kernels (lowering/).
+    if _gdn_kernels(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size, state_qdq):
+        return chunk_gdn_fwd(
+            q, k, v, g, beta, initial_state, cu_seqlens, chunk_size=chunk_size, scale=scale,
+            state_v_first=state_v_first,
+        )
     return torch.ops.kdn.chunk_gdn_reference(
         q, k, v, g, beta, initial_state, cu_seqlens, chunk_size, scale,
         state_v_first, state_qdq, state_qdq_block_v,
     )
 
 
-CHUNK_GDN.attach_autograd(chunk_gdn_op, CHUNK_GDN.reference_backward)
+@torch.library.triton_op("kdn::chunk_gdn_bwd", mutates_args=())
+def chunk_gdn_bwd_op(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+    initial_state: Optional[Tensor], cu_seqlens: Optional[Tensor],
+    chunk_size: int, scale: float, state_v_first: bool,
+    grad_o: Tensor, grad_state: Optional[Tensor],
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Gradients of ``kdn::chunk_gdn`` on its kernel path: ``(dq, dk, dv, dg, dbeta, dh0)``.
+
+    Recomputes the forward's gates, ``(I + A)^-1`` and chunk states (nothing is
+    saved). ``grad_state`` may be None (zero); ``dh0`` is an empty tensor when
+    ``initial_state`` is None.
+    """
+    dq, dk, dv, dg, dbeta, dh0 = chunk_gdn_bwd(
+        q, k, v, g, beta, initial_state, cu_seqlens, grad_o, grad_state,
+        chunk_size=chunk_size, scale=scale, state_v_first=state_v_first,
+    )
+    return dq, dk, dv, dg, dbeta, (q.new_empty(0) if dh0 is None else dh0)
+
+
+def _chunk_gdn_backward(inputs: dict, grads: list) -> dict:
+    x = inputs
+    if not _gdn_kernels(x["q"], x["k"], x["v"], x["g"], x["beta"], x["initial_state"],
+                        x["cu_seqlens"], x["chunk_size"], x["state_qdq"]):
+        return CHUNK_GDN.reference_backward(inputs, grads)
+    grad_o, grad_state = grads
+    found = chunk_gdn_bwd_op(
+        x["q"], x["k"], x["v"], x["g"], x["beta"], x["initial_state"], x["cu_seqlens"],
+        x["chunk_size"], x["scale"], x["state_v_first"], grad_o, grad_state,
+    )
+    return dict(zip(("q", "k", "v", "g", "beta", "initial_state"), found))
+
+
+CHUNK_GDN.attach_autograd(chunk_gdn_op, _chunk_gdn_backward)
 
 
 # -- the w_quantizer path: W and U, then the recurrence over chunks ---------------

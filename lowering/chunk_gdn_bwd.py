@@ -1,0 +1,276 @@
+"""Backward of chunked Gated DeltaNet in Triton: three launches.
+
+Notation of :mod:`.chunk_gdn_fwd`; per chunk with start state ``S``, end-state
+gradient ``dS'``, ``x = beta (v - (e^G k) S)``, ``delta = Ai x``,
+``M = (q k^T) * exp(G_i - G_j)`` (``j <= i``):
+
+1. the forward recurrence again, keeping each chunk's start state ``S``;
+2. ``_chunk_gdn_bwd_state_kernel``, chunks in reverse with ``dS`` in registers:
+   ``ddelta = scale M^T do + (e^{G_last - G} k) dS'``, ``dx = Ai^T ddelta``,
+   ``dv = beta dx`` (final) and
+   ``dS = e^{G_last} dS' + scale (e^G q)^T do - (e^G k)^T dv``; it keeps each
+   chunk's ``dS'`` and writes ``dh0``. It needs no ``S``.
+3. ``_chunk_gdn_bwd_grad_kernel``, one program per chunk and value head, from
+   ``S`` and ``dS'``: ``dq``, ``dk``, ``dbeta`` and ``dg`` (the gate gradient
+   with respect to ``G``, then a reverse cumulative sum in the chunk). The
+   solve enters through ``dA = -(dx delta^T)`` below the diagonal.
+
+Grouped value heads write per-value-head ``dq``/``dk`` in float32, summed over
+each group afterwards.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch.library import wrap_triton
+
+from ._launch import dot_precision, locate_chunk, sequence_chunks, state_tile
+from .chunk_gdn_fwd import (
+    CHUNK, _scale, gdn_layout, gdn_prepare, gdn_recompute_states, recurrence_config,
+)
+
+__all__ = ["chunk_gdn_bwd"]
+
+
+@triton.jit
+def _decay(b_gc, m):
+    """``exp(G_i - G_j)`` where ``m``, else 0 (no overflow above the diagonal)."""
+    return tl.exp(tl.where(m, b_gc[:, None] - b_gc[None, :], float("-inf")))
+
+
+@triton.jit
+def _chunk_gdn_bwd_state_kernel(
+    q, k, gc, beta, ai, aqk, do, dv, dht, dh0, dhs, cu_seqlens, offsets, scale, T,
+    H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BV: tl.constexpr, HAS_DHT: tl.constexpr, HAS_H0: tl.constexpr,
+    STATE_V_FIRST: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    i_nh, i_v = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    i_hk = i_h // (H // HK)
+    bos, eos, c0 = sequence_chunks(i_n, cu_seqlens, offsets, T, BT, IS_VARLEN)
+    dt = k.dtype.element_ty
+    b_dh = tl.zeros([K, BV], dtype=tl.float32)
+    if HAS_DHT:
+        b_dh += tl.load(dht + i_nh.to(tl.int64) * K * V
+                        + state_tile(i_v, K, V, BV, STATE_V_FIRST)).to(tl.float32)
+    q += (bos * HK + i_hk) * K
+    k += (bos * HK + i_hk) * K
+    do += (bos * H + i_h) * V
+    dv += (bos * H + i_h) * V
+    gc += bos * H + i_h
+    beta += bos * H + i_h
+    ai += (bos * H + i_h) * BT
+    aqk += (bos * H + i_h) * BT
+    o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, K)
+    o_v = i_v * BV + tl.arange(0, BV)
+    length = eos - bos
+    nt = tl.cdiv(length, BT)
+    for j in range(0, nt):
+        i_t = nt - 1 - j
+        p_dhs = dhs + ((c0 + i_t) * H + i_h) * K * V
+        tl.store(p_dhs + o_k[:, None] * V + o_v[None, :], b_dh.to(dhs.dtype.element_ty))
+        rows = i_t * BT + o_t
+        m_r = (rows < length)[:, None]
+        last = tl.minimum(i_t * BT + BT, length) - 1
+        b_k = tl.load(k + rows[:, None] * (HK * K) + o_k[None, :], mask=m_r, other=0.0)
+        b_do = tl.load(do + rows[:, None] * (H * V) + o_v[None, :], mask=m_r, other=0.0)
+        b_m = tl.load(aqk + rows[:, None] * (H * BT) + o_t[None, :], mask=m_r, other=0.0)
+        b_ai = tl.load(ai + rows[:, None] * (H * BT) + o_t[None, :], mask=m_r, other=0.0)
+        b_gc = tl.load(gc + tl.minimum(rows, last) * H)
+        b_gl = tl.load(gc + last * H)
+        b_beta = tl.load(beta + rows * H, mask=rows < length, other=0.0).to(tl.float32)
+        b_eg = tl.exp(b_gc)[:, None]
+        # ddelta = scale M^T do + e^{G_last - G} (k dS'); dv = beta Ai^T ddelta
+        b_dd = scale * tl.dot(tl.trans(b_m), b_do.to(dt), input_precision=DOT_PREC)
+        b_dd += tl.exp(b_gl - b_gc)[:, None] * tl.dot(b_k, b_dh.to(dt), input_precision=DOT_PREC)
+        b_dx = tl.dot(tl.trans(b_ai), b_dd.to(dt), input_precision=DOT_PREC)
+        b_dv = (b_beta[:, None] * b_dx).to(dt)
+        tl.store(dv + rows[:, None] * (H * V) + o_v[None, :], b_dv.to(dv.dtype.element_ty), mask=m_r)
+        # dS = e^{G_last} dS' + scale q^T (e^G do) - k^T (e^G dv)
+        b_q = tl.load(q + rows[:, None] * (HK * K) + o_k[None, :], mask=m_r, other=0.0)
+        b_dh = b_dh * tl.exp(b_gl)
+        b_dh += tl.dot(tl.trans(b_q), (scale * b_eg * b_do).to(dt), input_precision=DOT_PREC)
+        b_dh -= tl.dot(tl.trans(b_k), (b_eg * b_dv).to(dt), input_precision=DOT_PREC)
+    if HAS_H0:
+        tl.store(dh0 + i_nh.to(tl.int64) * K * V + state_tile(i_v, K, V, BV, STATE_V_FIRST), b_dh)
+
+
+@triton.jit
+def _delta_tile(b_k, b_ai, b_eg, b_el, b_beta, p_s, p_ds, v, do, dv, rows, m_r, i_v,
+                H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
+                DOT_PREC: tl.constexpr):
+    """Value tile ``i_v``: ``S``, ``dS'``, ``e^G k S``, ``r = v - e^G k S``, ``delta``,
+    ``k~ dS'``, ``do`` and ``dv`` (``v``, ``do``, ``dv`` already offset to the head)."""
+    dt = b_k.dtype
+    o_tv = rows[:, None] * (H * V) + i_v * BV + tl.arange(0, BV)[None, :]
+    o_s = tl.arange(0, K)[:, None] * V + i_v * BV + tl.arange(0, BV)[None, :]
+    b_s = tl.load(p_s + o_s)
+    b_ds = tl.load(p_ds + o_s)
+    b_v = tl.load(v + o_tv, mask=m_r, other=0.0).to(tl.float32)
+    b_ks = b_eg[:, None] * tl.dot(b_k, b_s, input_precision=DOT_PREC)
+    b_r = b_v - b_ks
+    b_d = tl.dot(b_ai, (b_beta[:, None] * b_r).to(dt), input_precision=DOT_PREC).to(dt)
+    b_kds = b_el[:, None] * tl.dot(b_k, b_ds, input_precision=DOT_PREC)
+    b_do = tl.load(do + o_tv, mask=m_r, other=0.0).to(dt)
+    b_dv = tl.load(dv + o_tv, mask=m_r, other=0.0).to(tl.float32)
+    return b_s, b_ds, b_ks, b_r, b_d, b_kds, b_do, b_dv
+
+
+@triton.jit
+def _chunk_gdn_bwd_grad_kernel(
+    q, k, v, gc, beta, ai, aqk, hs, dhs, do, dv, dq, dk, dg0, dg1, dbeta, cu_seqlens, offsets,
+    scale, T, N,
+    H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    """Program ``(chunk, head, role)``: role 0 writes ``dq`` and part of the gate gradient
+    (``dg0``), role 1 ``dk``, ``dbeta`` and the rest (``dg1``); both redo ``delta``."""
+    i_c, i_h, i_r = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_n, i_t, bos, eos = locate_chunk(i_c, cu_seqlens, offsets, T, N, BT, IS_VARLEN)
+    t0 = bos + i_t * BT
+    if t0 >= eos:
+        return
+    i_hk = i_h // (H // HK)
+    dt = k.dtype.element_ty
+    o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, K)
+    rows = t0 + o_t
+    m_r = (rows < eos)[:, None]
+    last = tl.minimum(t0 + BT, eos) - 1
+
+    b_k = tl.load(k + (rows[:, None] * HK + i_hk) * K + o_k[None, :], mask=m_r, other=0.0)
+    b_m = tl.load(aqk + (rows[:, None] * H + i_h) * BT + o_t[None, :], mask=m_r, other=0.0)
+    b_ai = tl.load(ai + (rows[:, None] * H + i_h) * BT + o_t[None, :], mask=m_r, other=0.0)
+    b_gc = tl.load(gc + tl.minimum(rows, last) * H + i_h)
+    b_gl = tl.load(gc + last * H + i_h)
+    b_beta = tl.load(beta + rows * H + i_h, mask=rows < eos, other=0.0).to(tl.float32)
+    b_eg = tl.exp(b_gc)
+    b_el = tl.exp(b_gl - b_gc)
+    p_s = hs + (i_c.to(tl.int64) * H + i_h) * K * V
+    p_ds = dhs + (i_c.to(tl.int64) * H + i_h) * K * V
+    v += i_h * V
+    do += i_h * V
+    dv += i_h * V
+    o_tk = (rows[:, None] * H + i_h) * K + o_k[None, :]
+    acc_dm = tl.zeros([BT, BT], dtype=tl.float32)  # do delta^T
+    if i_r == 0:
+        acc_dq = tl.zeros([BT, K], dtype=tl.float32)  # do S^T
+        acc_dg = tl.zeros([BT], dtype=tl.float32)  # per-row terms of dG
+        acc_dl = tl.zeros([BT], dtype=tl.float32)  # dG_last, broadcast
+        for i_v in range(0, V // BV):
+            b_s, b_ds, b_ks, b_r, b_d, b_kds, b_do, b_dv = _delta_tile(
+                b_k, b_ai, b_eg, b_el, b_beta, p_s, p_ds, v, do, dv, rows, m_r, i_v,
+                H, K, V, BV, DOT_PREC)
+            acc_dq = tl.dot(b_do, tl.trans(b_s), acc_dq, input_precision=DOT_PREC)
+            acc_dm = tl.dot(b_do, tl.trans(b_d), acc_dm, input_precision=DOT_PREC)
+            b_dkds = b_d.to(tl.float32) * b_kds
+            acc_dg -= tl.sum(b_dv * b_ks, 1) + tl.sum(b_dkds, 1)
+            acc_dl += tl.sum(b_dkds) + tl.exp(b_gl) * tl.sum(b_ds.to(tl.float32) * b_s.to(tl.float32))
+        b_q = tl.load(q + (rows[:, None] * HK + i_hk) * K + o_k[None, :], mask=m_r, other=0.0)
+        # through M: dM = scale do delta^T (j <= i)
+        b_dmm = scale * acc_dm * b_m.to(tl.float32)  # dM * M
+        b_dgc = tl.sum(b_dmm, 1) - tl.sum(b_dmm, 0) + acc_dg
+        b_dgc += scale * b_eg * tl.sum(b_q.to(tl.float32) * acc_dq, 1)
+        b_dmd = (scale * acc_dm * _decay(b_gc, o_t[:, None] >= o_t[None, :])).to(dt)
+        acc_dq = tl.dot(b_dmd, b_k, scale * b_eg[:, None] * acc_dq, input_precision=DOT_PREC)
+        tl.store(dq + o_tk, acc_dq.to(dq.dtype.element_ty), mask=m_r)
+        b_dg = tl.cumsum(b_dgc, 0, reverse=True) + acc_dl
+        tl.store(dg0 + rows * H + i_h, b_dg, mask=rows < eos)
+    else:
+        acc_dk = tl.zeros([BT, K], dtype=tl.float32)  # through S' and through x
+        acc_da = tl.zeros([BT, BT], dtype=tl.float32)  # dx delta^T
+        acc_db = tl.zeros([BT], dtype=tl.float32)
+        for i_v in range(0, V // BV):
+            b_s, b_ds, b_ks, b_r, b_d, b_kds, b_do, b_dv = _delta_tile(
+                b_k, b_ai, b_eg, b_el, b_beta, p_s, p_ds, v, do, dv, rows, m_r, i_v,
+                H, K, V, BV, DOT_PREC)
+            b_dd = scale * tl.dot(tl.trans(b_m), b_do, input_precision=DOT_PREC) + b_kds
+            b_dx = tl.dot(tl.trans(b_ai), b_dd.to(dt), input_precision=DOT_PREC)
+            acc_dm = tl.dot(b_do, tl.trans(b_d), acc_dm, input_precision=DOT_PREC)
+            acc_dk = tl.dot((b_el[:, None] * b_d).to(dt), tl.trans(b_ds), acc_dk,
+                            input_precision=DOT_PREC)
+            acc_dk = tl.dot((-b_eg[:, None] * b_dv).to(dt), tl.trans(b_s), acc_dk,
+                            input_precision=DOT_PREC)
+            acc_da = tl.dot(b_dx.to(dt), tl.trans(b_d), acc_da, input_precision=DOT_PREC)
+            acc_db += tl.sum(b_dx * b_r, 1)
+        b_q = tl.load(q + (rows[:, None] * HK + i_hk) * K + o_k[None, :], mask=m_r, other=0.0)
+        b_dmd = (scale * acc_dm * _decay(b_gc, o_t[:, None] >= o_t[None, :])).to(dt)
+        acc_dk = tl.dot(tl.trans(b_dmd), b_q, acc_dk, input_precision=DOT_PREC)
+        # through the solve: dA = -dx delta^T (j < i), A = beta_i (k_i . k_j) exp(G_i - G_j)
+        b_kk = tl.dot(b_k, tl.trans(b_k), input_precision=DOT_PREC)
+        b_p = -acc_da * _decay(b_gc, o_t[:, None] > o_t[None, :])
+        b_pb = b_beta[:, None] * b_p
+        b_daa = b_pb * b_kk  # dA * A
+        b_dg = tl.cumsum(tl.sum(b_daa, 1) - tl.sum(b_daa, 0), 0, reverse=True)
+        tl.store(dg1 + rows * H + i_h, b_dg, mask=rows < eos)
+        b_db = acc_db + tl.sum(b_p * b_kk, 1)
+        tl.store(dbeta + rows * H + i_h, b_db.to(dbeta.dtype.element_ty), mask=rows < eos)
+        b_pbc = b_pb.to(dt)
+        acc_dk = tl.dot(b_pbc, b_k, acc_dk, input_precision=DOT_PREC)
+        acc_dk = tl.dot(tl.trans(b_pbc), b_k, acc_dk, input_precision=DOT_PREC)
+        tl.store(dk + o_tk, acc_dk.to(dk.dtype.element_ty), mask=m_r)
+
+
+def chunk_gdn_bwd(q, k, v, g, beta, initial_state, cu_seqlens, do, dht, *,
+                  chunk_size, scale, state_v_first):
+    """Gradients of :func:`chunk_gdn_fwd` for ``do`` (like ``o``) and ``dht`` (like the final state).
+
+    Inputs as :func:`chunk_gdn_fwd` (nothing saved: gates, ``Ai`` and ``M`` are
+    recomputed); ``dht`` may be None (zero). Returns
+    ``(dq, dk, dv, dg, dbeta, dh0)`` in the dtypes of
+    ``q, k, v, g, beta, initial_state``; ``dh0`` is None without an initial state.
+    """
+    if chunk_size != CHUNK:
+        raise ValueError(f"the Triton GDN kernels need chunk_size {CHUNK}, got {chunk_size}")
+    q, k, v, g, beta, do = (t.contiguous() for t in (q, k, v, g, beta, do))
+    if initial_state is not None:
+        initial_state = initial_state.contiguous()
+    if dht is not None:
+        dht = dht.contiguous()
+    layout = gdn_layout(q, v, cu_seqlens)
+    batch, length, n, hk, hv, dk_, dv_, bound, offsets = layout
+    varlen = cu_seqlens is not None
+    prec = dot_precision(k.dtype)
+    scale = _scale(scale, q)
+
+    gc, ai, aqk = gdn_prepare(q, k, g, beta, cu_seqlens, layout)
+    hs = gdn_recompute_states(k, v, gc, beta, ai, initial_state, cu_seqlens, layout,
+                              state_v_first=state_v_first)
+    tile, stages = recurrence_config(dk_, dv_, k.dtype, n * hv, v.device)
+    dhs = torch.empty_like(hs)
+    dv = torch.empty_like(v)
+    dh0 = None
+    if initial_state is not None:
+        dh0 = torch.empty(initial_state.shape, dtype=torch.float32, device=v.device)
+    wrap_triton(_chunk_gdn_bwd_state_kernel)[(n * hv, dv_ // tile)](
+        q, k, gc, beta, ai, aqk, do, dv, dht, dh0, dhs, cu_seqlens, offsets, scale, length,
+        H=hv, HK=hk, K=dk_, V=dv_, BT=CHUNK, BV=tile,
+        HAS_DHT=dht is not None, HAS_H0=initial_state is not None,
+        STATE_V_FIRST=state_v_first, IS_VARLEN=varlen, DOT_PREC=prec,
+        num_warps=4, num_stages=stages,
+    )
+
+    grouped = hv != hk
+    grad_dtype = torch.float32 if grouped else q.dtype
+    dq = q.new_empty((batch, length, hv, dk_), dtype=grad_dtype)
+    dk = k.new_empty((batch, length, hv, dk_), dtype=grad_dtype)
+    dg = torch.empty((2,) + tuple(g.shape), dtype=torch.float32, device=g.device)
+    dbeta = torch.empty(beta.shape, dtype=beta.dtype, device=beta.device)
+    wrap_triton(_chunk_gdn_bwd_grad_kernel)[(bound, hv, 2)](
+        q, k, v, gc, beta, ai, aqk, hs, dhs, do, dv, dq, dk, dg[0], dg[1], dbeta, cu_seqlens,
+        offsets, scale, length, n,
+        H=hv, HK=hk, K=dk_, V=dv_, BT=CHUNK, BV=16,
+        IS_VARLEN=varlen, DOT_PREC=prec, num_warps=4, num_stages=1,
+    )
+    dg = (dg[0] + dg[1]).to(g.dtype)
+    if grouped:
+        group = hv // hk
+        dq = dq.view(batch, length, hk, group, dk_).sum(3).to(q.dtype)
+        dk = dk.view(batch, length, hk, group, dk_).sum(3).to(k.dtype)
+    if dh0 is not None and dh0.dtype != initial_state.dtype:
+        dh0 = dh0.to(initial_state.dtype)
+    return dq, dk, dv, dg, dbeta, dh0

@@ -1,0 +1,371 @@
+"""Forward of chunked Gated DeltaNet in Triton: two launches.
+
+Per chunk of ``BT = 64`` tokens and value head, with ``G`` the in-chunk
+cumulative gate, ``A[i, j] = beta_i (k_i . k_j) exp(G_i - G_j)`` (``j < i``)
+and ``Ai = (I + A)^-1`` (the WY form of
+:func:`kdn_compile.reference.chunk_gdn_reference`):
+
+1. ``_chunk_gdn_prepare_kernel`` (one program per chunk and value head): ``G``,
+   ``M = (q k^T) * exp(G_i - G_j)`` (``j <= i``) and ``Ai``. ``A`` goes through a
+   float32 scratch buffer so that ``Ai`` can be built from its 16 x 16 blocks:
+   diagonal blocks inverted by substitution, joined by block products.
+2. ``_chunk_gdn_fwd_kernel`` (one program per sequence, value head and tile of
+   ``BV`` value columns, walking the chunks in order with the state in
+   registers): ``delta = Ai (beta (v - (e^G k) S))``,
+   ``o = scale ((e^G q) S + M delta)``,
+   ``S <- e^{G_last} S + (e^{G_last - G} k)^T delta``. ``W`` and ``U`` are never
+   written: ``Ai`` is applied in the loop. With ``RECOMPUTE`` (the backward) it
+   writes each chunk's start state instead of ``o``.
+
+Nothing is saved for the backward: it runs the prepare kernel again.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch.library import wrap_triton
+
+from ._launch import (
+    chunk_offsets,
+    dot_precision,
+    locate_chunk,
+    num_chunks_bound,
+    sequence_chunks,
+    sm_count,
+    state_tile,
+)
+
+__all__ = [
+    "chunk_gdn_fwd", "gdn_kernel_supports", "gdn_layout", "gdn_prepare", "gdn_recompute_states",
+    "recurrence_config",
+]
+
+CHUNK = 64  # tokens per chunk: the kernels are written for 4 blocks of 16
+_SUB = 16
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def gdn_kernel_supports(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size) -> bool:
+    """Whether the Triton GDN kernels cover these inputs (shapes and dtypes only).
+
+    Covered: ``chunk_size == 64``; ``K`` and ``V`` powers of two in ``[16, 256]``;
+    q, k, v in float16, bfloat16 or float32 (one dtype); ``g``/``beta`` floating
+    and not float64; ``initial_state`` any floating dtype but float64. Devices
+    are the caller's concern. Reads no tensor values.
+    """
+    dims = (k.shape[-1], v.shape[-1])
+    if chunk_size != CHUNK or any(d < 16 or d > 256 or d & (d - 1) for d in dims):
+        return False
+    if q.dtype not in _DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        return False
+    others = (g, beta) + ((initial_state,) if initial_state is not None else ())
+    return all(t.dtype in _DTYPES for t in others)
+
+
+def gdn_layout(q, v, cu_seqlens):
+    """``(B, T, N, Hk, Hv, K, V, number of chunks bound, chunk offsets or None)``."""
+    batch, length, hk, dk = q.shape
+    hv, dv = v.shape[2], v.shape[3]
+    varlen = cu_seqlens is not None
+    n = cu_seqlens.shape[0] - 1 if varlen else batch
+    bound = num_chunks_bound(batch, length, n, CHUNK, varlen)
+    offsets = chunk_offsets(cu_seqlens, CHUNK) if varlen else None
+    return batch, length, n, hk, hv, dk, dv, bound, offsets
+
+
+def recurrence_config(k_dim: int, v_dim: int, dtype: torch.dtype, programs_per_tile: int,
+                      device) -> tuple[int, int]:
+    """``(BV, num_stages)`` of the sequential kernels (forward and backward state passes).
+
+    Their grid is sequences x heads x value tiles, so narrow tiles buy
+    parallelism when there are few sequences: the largest tile (at most 64, 32
+    for K = 256, 16 for float32 with K >= 128) that keeps two programs per
+    multiprocessor. Two pipeline stages when a chunk's k, q tiles are at most
+    256 bytes a row (bf16/fp16 with K <= 128); else one, to fit shared memory.
+    """
+    row_bytes = k_dim * dtype.itemsize
+    tile = min(v_dim, 64 if k_dim <= 128 else 32, 16 if row_bytes >= 512 else 64)
+    while tile > 16 and programs_per_tile * (v_dim // tile) < 2 * sm_count(device):
+        tile //= 2
+    return tile, 2 if row_bytes <= 256 else 1
+
+
+# -------------------------------------------------------------------------------------------
+# 1. gates, (I + A)^-1 and the masked query-key products, one program per chunk and head
+
+
+@triton.jit
+def _rows(x, rows, eos, stride, D: tl.constexpr):
+    """``[len(rows), D]`` tile of a row-major ``x`` (row stride ``stride``); zero past eos."""
+    return tl.load(
+        x + rows[:, None] * stride + tl.arange(0, D)[None, :],
+        mask=(rows < eos)[:, None], other=0.0,
+    )
+
+
+@triton.jit
+def _inv_unit_lower(b_a, BC: tl.constexpr):
+    """``(I + A)^-1`` of a strictly lower ``[BC, BC]`` float32 block, by substitution.
+
+    ``X = Ai - I`` solves ``X = -A - A X`` one row at a time.
+    """
+    o_i = tl.arange(0, BC)
+    b_x = -b_a
+    for i in range(2, BC):
+        m_i = o_i == i
+        b_row = tl.sum(tl.where(m_i[:, None], b_x, 0.0), 0)
+        b_row = b_row + tl.sum(b_row[:, None] * b_x, 0)
+        b_x = tl.where(m_i[:, None], b_row[None, :], b_x)
+    return b_x + (o_i[:, None] == o_i[None, :]).to(tl.float32)
+
+
+@triton.jit
+def _store_block(x, b_x, rows, eos, col, H: tl.constexpr, BT: tl.constexpr):
+    """Rows ``rows`` (columns ``col .. col + BC``) of a ``[., H, BT]`` per-row matrix buffer."""
+    o_c = col + tl.arange(0, b_x.shape[1])
+    tl.store(x + rows[:, None] * (H * BT) + o_c[None, :], b_x.to(x.dtype.element_ty),
+             mask=(rows < eos)[:, None])
+
+
+@triton.jit
+def _load_block(x, rows, eos, col, H: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+    o_c = col + tl.arange(0, BC)
+    return tl.load(x + rows[:, None] * (H * BT) + o_c[None, :], mask=(rows < eos)[:, None],
+                   other=0.0)
+
+
+@triton.jit
+def _store_upper_zeros(x, r1, r2, r3, eos, H: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+    """Zero the blocks above the diagonal, so readers load whole ``[BT, BT]`` rows."""
+    b_z = tl.zeros([BC, BC], dtype=tl.float32)
+    _store_block(x, b_z, r1, eos, BC, H, BT)
+    _store_block(x, tl.zeros([BC, 2 * BC], dtype=tl.float32), r1, eos, 2 * BC, H, BT)
+    _store_block(x, tl.zeros([BC, 2 * BC], dtype=tl.float32), r2, eos, 2 * BC, H, BT)
+    _store_block(x, b_z, r3, eos, 3 * BC, H, BT)
+
+
+@triton.jit
+def _dot32(a, b):
+    return tl.dot(a, b, input_precision="ieee")
+
+
+@triton.jit
+def _chunk_gdn_prepare_kernel(
+    q, k, g, beta, gc, ai, aqk, scratch, cu_seqlens, offsets, T, N,
+    H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+    IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    i_n, i_t, bos, eos = locate_chunk(i_c, cu_seqlens, offsets, T, N, BT, IS_VARLEN)
+    t0 = bos + i_t * BT
+    if t0 >= eos:
+        return
+    i_hk = i_h // (H // HK)
+    o_t = tl.arange(0, BT)
+    rows = t0 + o_t
+    m_r = rows < eos
+    # in-chunk cumulative gates (zero gate past the end)
+    b_gc = tl.cumsum(tl.load(g + rows * H + i_h, mask=m_r, other=0.0).to(tl.float32), 0)
+    tl.store(gc + rows * H + i_h, b_gc, mask=m_r)
+    b_beta = tl.load(beta + rows * H + i_h, mask=m_r, other=0.0).to(tl.float32)
+    b_k = _rows(k + i_hk * K, rows, eos, HK * K, K)
+    b_q = _rows(q + i_hk * K, rows, eos, HK * K, K)
+    o_m = (rows[:, None] * H + i_h) * BT + o_t[None, :]
+    # M = (q k^T) exp(G_i - G_j), j <= i
+    m_lower = o_t[:, None] >= o_t[None, :]
+    b_d = tl.exp(tl.where(m_lower, b_gc[:, None] - b_gc[None, :], float("-inf")))
+    b_m = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC) * b_d
+    tl.store(aqk + o_m, b_m.to(aqk.dtype.element_ty), mask=m_r[:, None])
+    # A = beta_i (k_i . k_j) exp(G_i - G_j), j < i, float32, through the scratch buffer
+    b_a = tl.dot(b_k, tl.trans(b_k), input_precision=DOT_PREC) * b_d
+    b_a = tl.where(o_t[:, None] > o_t[None, :], b_beta[:, None] * b_a, 0.0)
+    tl.store(scratch + o_m, b_a, mask=m_r[:, None])
+    tl.debug_barrier()
+
+    # (I + A)^-1 in 16 x 16 blocks: diagonal blocks by substitution, then block products
+    scratch += i_h * BT
+    ai += i_h * BT
+    r1 = t0 + tl.arange(0, BC)
+    r2 = r1 + BC
+    r3 = r2 + BC
+    r4 = r3 + BC
+    b_i11 = _inv_unit_lower(_load_block(scratch, r1, eos, 0, H, BT, BC), BC)
+    _store_block(ai, b_i11, r1, eos, 0, H, BT)
+    b_i22 = _inv_unit_lower(_load_block(scratch, r2, eos, BC, H, BT, BC), BC)
+    b_a21 = _load_block(scratch, r2, eos, 0, H, BT, BC)
+    b_i21 = -_dot32(_dot32(b_i22, b_a21), b_i11)
+    _store_block(ai, b_i21, r2, eos, 0, H, BT)
+    _store_block(ai, b_i22, r2, eos, BC, H, BT)
+    b_i33 = _inv_unit_lower(_load_block(scratch, r3, eos, 2 * BC, H, BT, BC), BC)
+    b_a31 = _load_block(scratch, r3, eos, 0, H, BT, BC)
+    b_a32 = _load_block(scratch, r3, eos, BC, H, BT, BC)
+    b_i32 = -_dot32(_dot32(b_i33, b_a32), b_i22)
+    b_i31 = -_dot32(b_i33, _dot32(b_a31, b_i11) + _dot32(b_a32, b_i21))
+    _store_block(ai, b_i31, r3, eos, 0, H, BT)
+    _store_block(ai, b_i32, r3, eos, BC, H, BT)
+    _store_block(ai, b_i33, r3, eos, 2 * BC, H, BT)
+    b_i44 = _inv_unit_lower(_load_block(scratch, r4, eos, 3 * BC, H, BT, BC), BC)
+    b_a41 = _load_block(scratch, r4, eos, 0, H, BT, BC)
+    b_a42 = _load_block(scratch, r4, eos, BC, H, BT, BC)
+    b_a43 = _load_block(scratch, r4, eos, 2 * BC, H, BT, BC)
+    b_i43 = -_dot32(_dot32(b_i44, b_a43), b_i33)
+    b_i42 = -_dot32(b_i44, _dot32(b_a42, b_i22) + _dot32(b_a43, b_i32))
+    b_i41 = -_dot32(b_i44, _dot32(b_a41, b_i11) + _dot32(b_a42, b_i21) + _dot32(b_a43, b_i31))
+    _store_block(ai, b_i41, r4, eos, 0, H, BT)
+    _store_block(ai, b_i42, r4, eos, BC, H, BT)
+    _store_block(ai, b_i43, r4, eos, 2 * BC, H, BT)
+    _store_block(ai, b_i44, r4, eos, 3 * BC, H, BT)
+    _store_upper_zeros(ai, r1, r2, r3, eos, H, BT, BC)
+
+
+# -------------------------------------------------------------------------------------------
+# 2. the recurrence over chunks, state in registers
+
+
+@triton.jit
+def _chunk_gdn_fwd_kernel(
+    q, k, v, gc, beta, ai, aqk, o, h0, ht, hs, cu_seqlens, offsets, scale, T,
+    H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BV: tl.constexpr, HAS_H0: tl.constexpr, RECOMPUTE: tl.constexpr,
+    STATE_V_FIRST: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    i_nh, i_v = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    i_hk = i_h // (H // HK)
+    bos, eos, c0 = sequence_chunks(i_n, cu_seqlens, offsets, T, BT, IS_VARLEN)
+    dt = k.dtype.element_ty
+    b_h = tl.zeros([K, BV], dtype=tl.float32)
+    if HAS_H0:
+        b_h += tl.load(h0 + i_nh.to(tl.int64) * K * V
+                       + state_tile(i_v, K, V, BV, STATE_V_FIRST)).to(tl.float32)
+    o_t = tl.arange(0, BT)
+    q += (bos * HK + i_hk) * K
+    k += (bos * HK + i_hk) * K
+    v += (bos * H + i_h) * V
+    gc += bos * H + i_h
+    beta += bos * H + i_h
+    ai += (bos * H + i_h) * BT
+    aqk += (bos * H + i_h) * BT
+    length = eos - bos
+    o_k = tl.arange(0, K)
+    o_v = i_v * BV + tl.arange(0, BV)
+    for i_t in range(0, tl.cdiv(length, BT)):
+        if RECOMPUTE:
+            p_hs = hs + ((c0 + i_t) * H + i_h) * K * V
+            tl.store(p_hs + o_k[:, None] * V + o_v[None, :], b_h.to(hs.dtype.element_ty))
+        rows = i_t * BT + o_t
+        m_r = (rows < length)[:, None]
+        last = tl.minimum(i_t * BT + BT, length) - 1
+        b_k = tl.load(k + rows[:, None] * (HK * K) + o_k[None, :], mask=m_r, other=0.0)
+        b_v = tl.load(v + rows[:, None] * (H * V) + o_v[None, :], mask=m_r, other=0.0)
+        b_ai = tl.load(ai + rows[:, None] * (H * BT) + o_t[None, :], mask=m_r, other=0.0)
+        b_gc = tl.load(gc + tl.minimum(rows, last) * H)
+        b_gl = tl.load(gc + last * H)
+        b_beta = tl.load(beta + rows * H, mask=rows < length, other=0.0).to(tl.float32)
+        b_hc = b_h.to(dt)
+        # delta = Ai (beta (v - e^G (k S)))
+        b_ks = tl.dot(b_k, b_hc, input_precision=DOT_PREC)
+        b_x = b_beta[:, None] * (b_v.to(tl.float32) - tl.exp(b_gc)[:, None] * b_ks)
+        b_d = tl.dot(b_ai, b_x.to(dt), input_precision=DOT_PREC)
+        if not RECOMPUTE:
+            b_q = tl.load(q + rows[:, None] * (HK * K) + o_k[None, :], mask=m_r, other=0.0)
+            b_m = tl.load(aqk + rows[:, None] * (H * BT) + o_t[None, :], mask=m_r, other=0.0)
+            b_o = tl.exp(b_gc)[:, None] * tl.dot(b_q, b_hc, input_precision=DOT_PREC)
+            b_o += tl.dot(b_m, b_d.to(dt), input_precision=DOT_PREC)
+            tl.store(o + (bos * H + i_h) * V + rows[:, None] * (H * V) + o_v[None, :],
+                     (scale * b_o).to(o.dtype.element_ty), mask=m_r)
+        # S <- e^{G_last} S + k^T (e^{G_last - G} delta)
+        b_dl = (tl.exp(b_gl - b_gc)[:, None] * b_d).to(dt)
+        b_h = b_h * tl.exp(b_gl) + tl.dot(tl.trans(b_k), b_dl, input_precision=DOT_PREC)
+    if not RECOMPUTE:
+        tl.store(ht + i_nh.to(tl.int64) * K * V + state_tile(i_v, K, V, BV, STATE_V_FIRST), b_h)
+
+
+def gdn_prepare(q, k, g, beta, cu_seqlens, layout):
+    """Launch the prepare kernel: ``(G, Ai, M)``; ``G`` float32 ``[B, T, Hv]``, ``Ai`` and
+    ``M`` ``[B, T, Hv, 64]`` in ``k``'s dtype (row ``t`` of its chunk's matrix)."""
+    batch, length, n, hk, hv, dk, _, bound, offsets = layout
+    gc = torch.empty(g.shape, dtype=torch.float32, device=g.device)
+    ai = k.new_empty((batch, length, hv, CHUNK))
+    aqk = k.new_empty((batch, length, hv, CHUNK))
+    scratch = torch.empty((batch, length, hv, CHUNK), dtype=torch.float32, device=k.device)
+    wrap_triton(_chunk_gdn_prepare_kernel)[(bound, hv)](
+        q, k, g, beta, gc, ai, aqk, scratch, cu_seqlens, offsets, length, n,
+        H=hv, HK=hk, K=dk, BT=CHUNK, BC=_SUB,
+        IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(k.dtype),
+        num_warps=4,
+    )
+    return gc, ai, aqk
+
+
+def _recurrence(q, k, v, gc, beta, ai, aqk, initial_state, cu_seqlens, layout, *,
+                scale, state_v_first, recompute):
+    batch, length, n, hk, hv, dk, dv, bound, offsets = layout
+    tile, stages = recurrence_config(dk, dv, k.dtype, n * hv, v.device)
+    shape = (n, hv, dv, dk) if state_v_first else (n, hv, dk, dv)
+    if recompute:
+        o = ht = None
+        hs = k.new_empty((bound, hv, dk, dv))
+    else:
+        o = torch.empty_like(v)
+        ht = torch.empty(shape, dtype=torch.float32, device=v.device)
+        hs = None
+    wrap_triton(_chunk_gdn_fwd_kernel)[(n * hv, dv // tile)](
+        q, k, v, gc, beta, ai, aqk, o, initial_state, ht, hs, cu_seqlens, offsets,
+        scale, length,
+        H=hv, HK=hk, K=dk, V=dv, BT=CHUNK, BV=tile,
+        HAS_H0=initial_state is not None, RECOMPUTE=recompute,
+        STATE_V_FIRST=state_v_first, IS_VARLEN=cu_seqlens is not None,
+        DOT_PREC=dot_precision(k.dtype), num_warps=4, num_stages=stages,
+    )
+    return o, ht, hs
+
+
+def _scale(scale, q):
+    return q.shape[-1] ** -0.5 if scale is None else float(scale)
+
+
+def chunk_gdn_fwd(q, k, v, g, beta, initial_state, cu_seqlens, *, chunk_size, scale,
+                  state_v_first):
+    """Chunked GDN forward on the GPU (or under ``TRITON_INTERPRET=1``).
+
+    Args:
+        q, k: ``[B, T, Hk, K]``; v: ``[B, T, Hv, V]`` (one dtype among float16,
+            bfloat16, float32); g: natural-log decays ``[B, T, Hv]``; beta:
+            ``[B, T, Hv]``.
+        initial_state: ``[N, Hv, K, V]`` (``[N, Hv, V, K]`` with
+            ``state_v_first``) or None for zeros.
+        cu_seqlens: ``[N + 1]`` int32/int64 on the device, ``B == 1``; or None.
+        chunk_size: must be 64 (see :func:`gdn_kernel_supports`).
+        scale: output scale (None: ``K ** -0.5``).
+
+    Returns:
+        ``(o, final_state)``: ``o`` like ``v``; ``final_state`` float32 in the
+        layout of ``initial_state``. Nothing is saved: :func:`chunk_gdn_bwd`
+        recomputes the gates, ``Ai`` and ``M`` (one parallel launch).
+
+    Math: :func:`kdn_compile.reference.chunk_gdn_reference` (FLA's WY form).
+    """
+    if chunk_size != CHUNK:
+        raise ValueError(f"the Triton GDN kernels need chunk_size {CHUNK}, got {chunk_size}")
+    q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
+    if initial_state is not None:
+        initial_state = initial_state.contiguous()
+    layout = gdn_layout(q, v, cu_seqlens)
+    gc, ai, aqk = gdn_prepare(q, k, g, beta, cu_seqlens, layout)
+    o, ht, _ = _recurrence(
+        q, k, v, gc, beta, ai, aqk, initial_state, cu_seqlens, layout,
+        scale=_scale(scale, q), state_v_first=state_v_first, recompute=False,
+    )
+    return o, ht
+
+
+def gdn_recompute_states(k, v, gc, beta, ai, initial_state, cu_seqlens, layout, *,
+                         state_v_first):
+    """Start state of every chunk, ``[chunks bound, Hv, K, V]`` in ``k``'s dtype (backward)."""
+    return _recurrence(
+        k, k, v, gc, beta, ai, ai, initial_state, cu_seqlens, layout,
+        scale=1.0, state_v_first=state_v_first, recompute=True,
+    )[2]

@@ -1,0 +1,187 @@
+"""GDN Triton kernels (lowering/chunk_gdn_*.py) against the float64 reference.
+
+CPU: the kernels run under ``TRITON_INTERPRET=1`` (set by conftest.py before any
+kernel import) at tiny sizes: forward and every gradient, odd lengths, packed
+sequences, grouped value heads, initial state, value-major states. Outputs are
+poisoned with NaN first, so an element the kernels never write fails.
+GPU (skipped without CUDA): fresh random inputs, bf16 and float32 tolerances,
+gates near zero and strongly negative, lengths up to 32768.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from kdn_compile.lowering.chunk_gdn_bwd import chunk_gdn_bwd  # noqa: E402
+from kdn_compile.lowering.chunk_gdn_fwd import chunk_gdn_fwd, gdn_kernel_supports  # noqa: E402
+from kdn_compile.reference import chunk_gdn_reference  # noqa: E402
+from tests._helpers import assert_close  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+needs_cuda = pytest.mark.skipif(not CUDA, reason="needs CUDA")
+needs_kernels = pytest.mark.skipif(not (CUDA or INTERPRET), reason="needs CUDA or TRITON_INTERPRET=1")
+GRADS = ("q", "k", "v", "g", "beta", "initial_state")
+
+
+@contextlib.contextmanager
+def _poisoned():
+    """torch.empty, empty_like and Tensor.new_empty return NaN-filled memory meanwhile."""
+    empty, empty_like, new_empty = torch.empty, torch.empty_like, torch.Tensor.new_empty
+
+    def nan(t):
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch, "empty", lambda *a, **kw: nan(empty(*a, **kw)))
+        patch.setattr(torch, "empty_like", lambda *a, **kw: nan(empty_like(*a, **kw)))
+        patch.setattr(torch.Tensor, "new_empty",
+                      lambda self, *a, **kw: nan(new_empty(self, *a, **kw)))
+        yield
+
+
+def _inputs(B, T, Hk, Hv, K, V, *, N, dtype, device, seed, gate_scale=1.0, with_state=True,
+            state_v_first=False):
+    gen = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
+    x = {
+        "q": F.normalize(r(B, T, Hk, K), dim=-1),
+        "k": F.normalize(r(B, T, Hk, K), dim=-1),
+        "v": r(B, T, Hv, V),
+        "g": -gate_scale * torch.rand(B, T, Hv, generator=gen, dtype=torch.float64),
+        "beta": torch.rand(B, T, Hv, generator=gen, dtype=torch.float64),
+        "initial_state": (r(N, Hv, V, K) if state_v_first else r(N, Hv, K, V)) if with_state else None,
+    }
+    return {n: (t.to(device=device, dtype=dtype) if t is not None else None) for n, t in x.items()}
+
+
+def _check(x, cu_seqlens, *, state_v_first, tol, with_dht=True, seed=1):
+    """Kernels vs float64 reference: o, final state and every gradient."""
+    scale = x["q"].shape[-1] ** -0.5
+    with _poisoned():
+        o, ht = chunk_gdn_fwd(
+            x["q"], x["k"], x["v"], x["g"], x["beta"], x["initial_state"], cu_seqlens,
+            chunk_size=64, scale=scale, state_v_first=state_v_first,
+        )
+    gen = torch.Generator().manual_seed(seed)
+    do = torch.randn(o.shape, generator=gen, dtype=torch.float64).to(o)
+    dht = torch.randn(ht.shape, generator=gen, dtype=torch.float64).to(ht) if with_dht else None
+    with _poisoned():
+        grads = chunk_gdn_bwd(
+            x["q"], x["k"], x["v"], x["g"], x["beta"], x["initial_state"], cu_seqlens, do, dht,
+            chunk_size=64, scale=scale, state_v_first=state_v_first,
+        )
+    leaves = {n: (t.detach().cpu().double().requires_grad_() if t is not None else None)
+              for n, t in x.items()}
+    ro, rh = chunk_gdn_reference(
+        leaves["q"], leaves["k"], leaves["v"], leaves["g"], leaves["beta"], chunk_size=64,
+        scale=scale, initial_state=leaves["initial_state"],
+        cu_seqlens=None if cu_seqlens is None else cu_seqlens.cpu(), state_v_first=state_v_first,
+    )
+    loss = (ro * do.cpu().double()).sum()
+    if with_dht:
+        loss = loss + (rh * dht.cpu().double()).sum()
+    wrt = [n for n in GRADS if leaves[n] is not None]
+    expected = dict(zip(wrt, torch.autograd.grad(loss, [leaves[n] for n in wrt])))
+    assert o.dtype == x["v"].dtype and ht.dtype == torch.float32
+    assert_close(o.cpu(), ro, tol, "o")
+    assert_close(ht.cpu(), rh, tol, "final state")
+    for name, grad in zip(GRADS, grads):
+        if leaves[name] is None:
+            assert grad is None, name
+            continue
+        assert grad.dtype == x[name].dtype, name
+        assert_close(grad.cpu(), expected[name], tol, f"d{name}")
+
+
+# -- CPU (interpreter) ---------------------------------------------------------------------
+
+CPU_CASES = [
+    # id, B, T, Hk, Hv, K, V, cu_seqlens, with_state, state_v_first
+    pytest.param(1, 1, 1, 1, 16, 16, None, True, False, id="T1"),
+    pytest.param(1, 63, 1, 1, 16, 32, None, False, False, id="T63-no-state"),
+    pytest.param(2, 65, 1, 2, 32, 16, None, True, True, id="T65-grouped-vfirst"),
+    pytest.param(1, 100, 2, 2, 16, 16, [0, 1, 37, 100], True, False, id="varlen-3"),
+    pytest.param(1, 100, 1, 2, 16, 16, [0, 0, 64, 100], True, True, id="varlen-empty-grouped"),
+]
+
+
+@needs_kernels
+@pytest.mark.parametrize("B,T,Hk,Hv,K,V,cu,with_state,state_v_first", CPU_CASES)
+def test_kernels_match_reference(B, T, Hk, Hv, K, V, cu, with_state, state_v_first):
+    device = "cuda" if CUDA else "cpu"
+    cu_seqlens = None if cu is None else torch.tensor(cu, dtype=torch.int32, device=device)
+    N = B if cu is None else len(cu) - 1
+    x = _inputs(B, T, Hk, Hv, K, V, N=N, dtype=torch.float32, device=device, seed=T + Hv,
+                with_state=with_state, state_v_first=state_v_first)
+    _check(x, cu_seqlens, state_v_first=state_v_first, tol=1e-4, with_dht=with_state)
+
+
+def test_supports():
+    x = _inputs(1, 8, 1, 2, 16, 32, N=1, dtype=torch.bfloat16, device="cpu", seed=0)
+    args = [x[n] for n in ("q", "k", "v", "g", "beta", "initial_state")] + [None]
+    assert gdn_kernel_supports(*args, 64)
+    assert not gdn_kernel_supports(*args, 32)
+    y = _inputs(1, 8, 1, 1, 24, 32, N=1, dtype=torch.float32, device="cpu", seed=0)
+    assert not gdn_kernel_supports(*[y[n] for n in GRADS], None, 64)
+    z = _inputs(1, 8, 1, 1, 16, 16, N=1, dtype=torch.float64, device="cpu", seed=0)
+    assert not gdn_kernel_supports(*[z[n] for n in GRADS], None, 64)
+
+
+# -- GPU ------------------------------------------------------------------------------------
+
+GPU_CASES = [
+    # B, T, Hk, Hv, K, V, cu_seqlens, gate_scale
+    pytest.param(2, 1000, 2, 4, 128, 128, None, 1.0, id="bf16-grouped"),
+    pytest.param(1, 32768, 1, 2, 128, 128, None, 0.05, id="T32768-gates-near-zero"),
+    pytest.param(1, 3000, 2, 2, 64, 64, [0, 5, 700, 701, 2999, 3000], 20.0, id="varlen-strong-gates"),
+    pytest.param(1, 300, 1, 1, 256, 256, None, 1.0, id="K256"),
+]
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 1e-2), (torch.float32, 1e-3)],
+                         ids=["bf16", "fp32"])
+@pytest.mark.parametrize("B,T,Hk,Hv,K,V,cu,gate_scale", GPU_CASES)
+def test_kernels_gpu(dtype, tol, B, T, Hk, Hv, K, V, cu, gate_scale):
+    torch.backends.cuda.matmul.allow_tf32 = False
+    cu_seqlens = None if cu is None else torch.tensor(cu, dtype=torch.int32, device="cuda")
+    N = B if cu is None else len(cu) - 1
+    seed = int.from_bytes(os.urandom(4), "little")
+    x = _inputs(B, T, Hk, Hv, K, V, N=N, dtype=dtype, device="cuda", seed=seed,
+                gate_scale=gate_scale, state_v_first=K == 64)
+    _check(x, cu_seqlens, state_v_first=K == 64, tol=tol, seed=seed + 1)
+
+
+@needs_kernels
+def test_op_kernel_path_autograd():
+    """kdn_compile.chunk_gdn takes the kernels (fp32, chunk 64) and its autograd matches."""
+    import kdn_compile
+    from kdn_compile.ops import gdn as gdn_ops
+
+    calls = []
+    device = "cuda" if CUDA else "cpu"
+    x = _inputs(1, 70, 1, 2, 16, 16, N=1, dtype=torch.float32, device=device, seed=3)
+    leaves = {n: t.clone().requires_grad_() for n, t in x.items()}
+    with pytest.MonkeyPatch.context() as patch, kdn_compile.use_backend("triton"):
+        for name in ("chunk_gdn_fwd", "chunk_gdn_bwd"):
+            launcher = getattr(gdn_ops, name)
+            patch.setattr(gdn_ops, name,
+                          lambda *a, _f=launcher, _n=name, **kw: calls.append(_n) or _f(*a, **kw))
+        o, ht = kdn_compile.chunk_gdn(**leaves)
+        (o.sum() + ht.square().sum()).backward()
+    assert calls == ["chunk_gdn_fwd", "chunk_gdn_bwd"]
+    ref = {n: t.detach().cpu().double().requires_grad_() for n, t in x.items()}
+    ro, rh = chunk_gdn_reference(**ref)
+    (ro.sum() + rh.square().sum()).backward()
+    assert_close(o.detach().cpu(), ro, 1e-4, "o")
+    for name in GRADS:
+        assert_close(leaves[name].grad.cpu(), ref[name].grad, 1e-4, f"d{name}")
