@@ -79,27 +79,27 @@ def _check(x, cu_seqlens, *, state_v_first, tol, with_dht=True, seed=1):
             x["q"], x["k"], x["v"], x["g"], x["beta"], x["initial_state"], cu_seqlens, do, dht,
             chunk_size=64, scale=scale, state_v_first=state_v_first,
         )
-    leaves = {n: (t.detach().cpu().double().requires_grad_() if t is not None else None)
+    leaves = {n: (t.detach().double().requires_grad_() if t is not None else None)
               for n, t in x.items()}
     ro, rh = chunk_gdn_reference(
         leaves["q"], leaves["k"], leaves["v"], leaves["g"], leaves["beta"], chunk_size=64,
-        scale=scale, initial_state=leaves["initial_state"],
-        cu_seqlens=None if cu_seqlens is None else cu_seqlens.cpu(), state_v_first=state_v_first,
+        scale=scale, initial_state=leaves["initial_state"], cu_seqlens=cu_seqlens,
+        state_v_first=state_v_first,
     )
-    loss = (ro * do.cpu().double()).sum()
+    loss = (ro * do.double()).sum()
     if with_dht:
-        loss = loss + (rh * dht.cpu().double()).sum()
+        loss = loss + (rh * dht.double()).sum()
     wrt = [n for n in GRADS if leaves[n] is not None]
     expected = dict(zip(wrt, torch.autograd.grad(loss, [leaves[n] for n in wrt])))
     assert o.dtype == x["v"].dtype and ht.dtype == torch.float32
-    assert_close(o.cpu(), ro, tol, "o")
-    assert_close(ht.cpu(), rh, tol, "final state")
+    assert_close(o, ro, tol, "o")
+    assert_close(ht, rh, tol, "final state")
     for name, grad in zip(GRADS, grads):
         if leaves[name] is None:
             assert grad is None, name
             continue
         assert grad.dtype == x[name].dtype, name
-        assert_close(grad.cpu(), expected[name], tol, f"d{name}")
+        assert_close(grad, expected[name], tol, f"d{name}")
 
 
 # -- CPU (interpreter) ---------------------------------------------------------------------
@@ -179,9 +179,9 @@ def test_op_kernel_path_autograd():
         o, ht = kdn_compile.chunk_gdn(**leaves)
         (o.sum() + ht.square().sum()).backward()
     assert calls == ["chunk_gdn_fwd", "chunk_gdn_bwd"]
-    ref = {n: t.detach().cpu().double().requires_grad_() for n, t in x.items()}
+    ref = {n: t.detach().double().requires_grad_() for n, t in x.items()}
     ro, rh = chunk_gdn_reference(**ref)
     (ro.sum() + rh.square().sum()).backward()
-    assert_close(o.detach().cpu(), ro, 1e-4, "o")
+    assert_close(o.detach(), ro, 1e-4, "o")
     for name in GRADS:
-        assert_close(leaves[name].grad.cpu(), ref[name].grad, 1e-4, f"d{name}")
+        assert_close(leaves[name].grad, ref[name].grad, 1e-4, f"d{name}")
