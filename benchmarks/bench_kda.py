@@ -64,12 +64,15 @@ def bench(fn):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default="8x4096x16,1x32768x16")
+    parser.add_argument("--no-fla", action="store_true", help="time our kernels only")
     parser.add_argument("--profile", action="store_true",
                         help="also print per-kernel CUDA times of one fwd+bwd (first shape)")
     args = parser.parse_args()
     try:
         from fla.ops.kda import chunk_kda
     except ImportError:
+        chunk_kda = None
+    if args.no_fla:
         chunk_kda = None
     rows = []
     for shape in args.shapes.split(","):
@@ -97,6 +100,7 @@ def main() -> None:
 
             row["fla_fwd_bwd"] = bench(fla_fwd_bwd)
         rows.append(row)
+        print(row, flush=True)
         del q, k, v, g, beta, h0, do
         torch.cuda.empty_cache()
 

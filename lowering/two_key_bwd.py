@@ -104,11 +104,13 @@ def _two_key_bwd_pair_kernel(
     for i_v in range(V // BV):
         o_v = i_v * BV + tl.arange(0, BV)
         p_x = (t0 * Hv + i_h) * V + (o_bt[:, None] * (Hv * V) + o_v[None, :])
-        b_x = tl.load(x + p_x, mask=m_t[:, None], other=0.0)
-        b_do = tl.load(do + p_x, mask=m_t[:, None], other=0.0)
+        # float32 (tf32) operands: the bf16 form of do @ x^T gave a 7% error in
+        # dq on the H200 with Triton 3.6 (2026-11-30), where float32 passed.
+        b_x = tl.load(x + p_x, mask=m_t[:, None], other=0.0).to(tl.float32)
+        b_do = tl.load(do + p_x, mask=m_t[:, None], other=0.0).to(tl.float32)
         b_dy = tl.load(dv + p_x, mask=m_t[:, None], other=0.0)
-        b_da += tl.dot(b_dy, tl.trans(b_x.to(tl.float32)))
-        b_dr += tl.dot(b_do, tl.trans(b_x.to(b_do.dtype)))
+        b_da += tl.dot(b_dy, tl.trans(b_x))
+        b_dr += tl.dot(b_do, tl.trans(b_x))
     b_da = -tl.where(o_bt[:, None] > o_bt[None, :], b_da, 0.0)
     b_dr = scale * tl.where(o_bt[:, None] >= o_bt[None, :], b_dr, 0.0)
     store_rows(dascr, b_da, t0, o_bt, m_t, i_h, Hv, BT)
@@ -308,7 +310,8 @@ def two_key_bwd(
         bounds, chunk_first, s_k, s_v, scale,
         Hv=hv, K=key_dim, V=value_dim, BT=BT, BV=state_v,
         HAS_DHT=dht is not None,
-        num_warps=4,
+        # fp32 tiles with two stages need 311 KB of shared memory (ptxas, sm_90).
+        num_warps=4, num_stages=2 if dt != torch.float32 else 1,
     )
     dascr = q.new_empty((tokens, hv, BT), dtype=torch.float32)
     drscr = q.new_empty((tokens, hv, BT), dtype=torch.float32)
@@ -316,7 +319,7 @@ def two_key_bwd(
         x, dof, dv32, dascr, drscr,
         bounds, chunk_seq, chunk_first, num_seqs, scale,
         Hv=hv, V=value_dim, BT=BT, BV=block_v,
-        num_warps=4,
+        num_warps=4, num_stages=2,
     )
     block_k = min(64, key_dim)
     nk = key_dim // block_k
@@ -328,7 +331,7 @@ def two_key_bwd(
         dq, dk, dw, dg,
         bounds, chunk_seq, chunk_first, num_seqs, scale,
         Hk=hk, Hv=hv, K=key_dim, V=value_dim, BT=BT, BC=BC, BK=block_k, BV=block_v,
-        num_warps=4,
+        num_warps=4, num_stages=2,
     )
     group = hv // hk
     if group > 1:

@@ -364,7 +364,7 @@ def two_key_fwd(
         qf, kf, wf, vf, gf, c, qd, kd, wl, ascr, tmat, rmat, wk, u,
         bounds, chunk_seq, chunk_first, num_seqs,
         Hk=hk, Hv=hv, K=key_dim, V=value_dim, BT=BT, BC=BC,
-        num_warps=4,
+        num_warps=4, num_stages=2,
     )
     block_v = min(64, value_dim)
     # 32-wide value tiles: twice the programs of 64 for the sequential pass and
@@ -375,12 +375,12 @@ def two_key_fwd(
         bounds, chunk_first, s_k, s_v,
         Hv=hv, K=key_dim, V=value_dim, BT=BT, BV=state_v,
         HAS_H0=initial_state is not None,
-        num_warps=4,
+        num_warps=4, num_stages=2 if dt != torch.float32 else 1,
     )
     wrap_triton(_two_key_fwd_output_kernel)[(num_chunks, triton.cdiv(value_dim, block_v), hv)](
         qd, h, rmat, x, o,
         bounds, chunk_seq, chunk_first, num_seqs, scale,
         Hv=hv, K=key_dim, V=value_dim, BT=BT, BK=min(64, key_dim), BV=block_v,
-        num_warps=4,
+        num_warps=4, num_stages=2,
     )
     return (o.view(v.shape), final_state, c, qd, kd, wl, tmat, rmat, h, x, chunk_seq, chunk_first)
