@@ -8,7 +8,6 @@ The package must be importable (``./dev.sh`` installs it editable).
 from __future__ import annotations
 
 import importlib.metadata
-import importlib.util
 
 project = "kdn_compile"
 author = "kdn_compile contributors"
@@ -51,10 +50,6 @@ autodoc_default_options = {"show-inheritance": True}
 # Cross-references to torch types stay plain text: no intersphinx (the build
 # is offline) and no nitpicky mode.
 nitpicky = False
-
-# Triton is a Linux-only dependency; elsewhere the docs still import the package.
-if importlib.util.find_spec("triton") is None:
-    autodoc_mock_imports = ["triton"]
 
 html_theme = "alabaster"
 html_title = f"kdn_compile {release}"
