@@ -353,7 +353,7 @@ def two_key_fwd(
     u = q.new_empty((tokens, hv, value_dim), dtype=dt)
     h = q.new_empty((num_chunks + num_seqs, hv, key_dim, value_dim), dtype=dt)
     x = q.new_empty((tokens, hv, value_dim), dtype=dt)
-    o = v.new_empty((tokens, hv, value_dim))
+    o = v.new_empty(v.shape)
     state_shape = (num_seqs, hv, value_dim, key_dim) if state_v_first else (
         num_seqs, hv, key_dim, value_dim)
     final_state = q.new_empty(state_shape, dtype=torch.float32)
@@ -383,4 +383,4 @@ def two_key_fwd(
         Hv=hv, K=key_dim, V=value_dim, BT=BT, BK=min(64, key_dim), BV=block_v,
         num_warps=4, num_stages=2,
     )
-    return (o.view(v.shape), final_state, c, qd, kd, wl, tmat, rmat, h, x, chunk_seq, chunk_first)
+    return (o, final_state, c, qd, kd, wl, tmat, rmat, h, x, chunk_seq, chunk_first)

@@ -1,4 +1,12 @@
-"""``kdn`` ops of chunked Kimi Delta Attention (per-key decay ``g [B, T, Hv, K]``)."""
+"""``kdn`` ops of chunked Kimi Delta Attention (per-key decay ``g [B, T, Hv, K]``).
+
+* ``kdn::chunk_kda`` (triton_op) and ``kdn::chunk_kda_reference``: where the
+  two-key Triton kernels of ``lowering/two_key_*.py`` cover the inputs (see
+  :func:`_kda_kernels`) the op forms the write key ``w = beta k`` and launches
+  them; its gradients then come from ``kdn::chunk_kda_bwd`` (triton_op), which
+  recomputes the forward's saved tensors and runs the backward kernels.
+  Elsewhere both take the reference.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +16,10 @@ import torch
 from torch import Tensor
 
 from kdn_compile import reference as ref
+from kdn_compile.lowering.two_key_bwd import two_key_bwd
+from kdn_compile.lowering.two_key_common import two_key_kernel_supports
+from kdn_compile.lowering.two_key_fwd import two_key_fwd
+from kdn_compile.ops._dispatch import can_launch
 from kdn_compile.ops._registry import FamilyOps
 from kdn_compile.ops._shapes import empty_state
 
@@ -39,6 +51,25 @@ CHUNK_KDA = FamilyOps(
 )
 
 
+def _kda_kernels(q, v, chunk_size) -> bool:
+    """Whether ``kdn::chunk_kda`` runs on the two-key Triton kernels (else the reference).
+
+    Kernels: a device that can launch them (CUDA, or eager CPU under
+    ``TRITON_INTERPRET=1``) and the shapes and dtypes of
+    :func:`~kdn_compile.lowering.two_key_common.two_key_kernel_supports` (chunk
+    size 64, K and V powers of two in [16, 256], half or float32 inputs).
+    """
+    return can_launch(q) and two_key_kernel_supports(q, v, chunk_size=chunk_size)
+
+
+def _write_key(k: Tensor, beta: Tensor) -> Tensor:
+    """``w = beta k`` per value head, ``[B, T, Hv, K]`` (grouped without repeating k)."""
+    b, t, hk, key_dim = k.shape
+    group = beta.shape[2] // hk
+    w = k[:, :, :, None, :] * beta.view(b, t, hk, group, 1).to(k.dtype)
+    return w.reshape(b, t, hk * group, key_dim)
+
+
 @torch.library.triton_op("kdn::chunk_kda", mutates_args=())
 def chunk_kda_op(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
@@ -46,10 +77,61 @@ def chunk_kda_op(
     chunk_size: int, scale: float, state_v_first: bool,
 ) -> tuple[Tensor, Tensor]:
     """Chunked KDA; launches Triton where it can, else the reference op."""
-    # Kernel branch: added with the two-key Triton kernels (lowering/).
+    if _kda_kernels(q, v, chunk_size):
+        o, final_state, *_ = two_key_fwd(
+            q, k, _write_key(k, beta), v, g, initial_state, cu_seqlens,
+            chunk_size=chunk_size, scale=scale, state_v_first=state_v_first,
+        )
+        return o, final_state
     return torch.ops.kdn.chunk_kda_reference(
         q, k, v, g, beta, initial_state, cu_seqlens, chunk_size, scale, state_v_first
     )
 
 
-CHUNK_KDA.attach_autograd(chunk_kda_op, CHUNK_KDA.reference_backward)
+@torch.library.triton_op("kdn::chunk_kda_bwd", mutates_args=())
+def chunk_kda_bwd_op(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+    initial_state: Optional[Tensor], cu_seqlens: Optional[Tensor],
+    chunk_size: int, scale: float, state_v_first: bool,
+    grad_o: Tensor, grad_state: Optional[Tensor],
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Gradients of ``kdn::chunk_kda`` on its kernel path: ``(dq, dk, dv, dg, dbeta, dh0)``.
+
+    Recomputes the forward's saved tensors (nothing is kept between the passes),
+    then chains ``w = beta k``: ``dk += beta dw``, ``dbeta = sum_K dw k``.
+    ``grad_state`` may be None (zero); ``dh0`` is an empty tensor when
+    ``initial_state`` is None.
+    """
+    w = _write_key(k, beta)
+    _, _, *saved = two_key_fwd(
+        q, k, w, v, g, initial_state, cu_seqlens,
+        chunk_size=chunk_size, scale=scale, state_v_first=state_v_first,
+    )
+    dq, dk, dw, dv, dg, dh0 = two_key_bwd(
+        q, k, w, v, g, initial_state, cu_seqlens, *saved, grad_o, grad_state,
+        chunk_size=chunk_size, scale=scale, state_v_first=state_v_first,
+    )
+    b, t, hk, key_dim = k.shape
+    group = beta.shape[2] // hk
+    dw = dw.float().view(b, t, hk, group, key_dim)
+    dbeta = (dw * k.float()[:, :, :, None, :]).sum(-1).reshape(beta.shape)
+    dk = dk.float() + (dw * beta.float().view(b, t, hk, group, 1)).sum(3)
+    return (
+        dq, dk.to(k.dtype), dv, dg, dbeta.to(beta.dtype),
+        q.new_empty(0) if initial_state is None else dh0.to(initial_state.dtype),
+    )
+
+
+def _chunk_kda_backward(inputs: dict, grads: list) -> dict:
+    x = inputs
+    if not _kda_kernels(x["q"], x["v"], x["chunk_size"]):
+        return CHUNK_KDA.reference_backward(inputs, grads)
+    grad_o, grad_state = grads
+    found = chunk_kda_bwd_op(
+        x["q"], x["k"], x["v"], x["g"], x["beta"], x["initial_state"], x["cu_seqlens"],
+        x["chunk_size"], x["scale"], x["state_v_first"], grad_o, grad_state,
+    )
+    return dict(zip(("q", "k", "v", "g", "beta", "initial_state"), found))
+
+
+CHUNK_KDA.attach_autograd(chunk_kda_op, _chunk_kda_backward)
