@@ -1,4 +1,11 @@
-"""``kdn`` ops of the Diagonal Kalman Delta Network: Kalman gain scan + two-key memory."""
+"""``kdn`` ops of the Diagonal Kalman Delta Network: Kalman gain scan + two-key memory.
+
+Where they launch, the gain runs on ``lowering/kalman_gain*.py`` and the memory
+(erase ``k``, write the gain, decay ``log_alpha`` floored at
+``LOG_MEMORY_ALPHA_FLOOR``) on the two-key kernels of ``lowering/two_key_*.py``;
+the memory's gradients then come from ``kdn::diag_kdn_memory_bwd`` (triton_op,
+recomputing the forward's saved tensors).
+"""
 
 from __future__ import annotations
 
@@ -13,6 +20,9 @@ from kdn_compile.lowering.kalman_gain import (
     kalman_gain_fwd,
     kalman_gain_kernel_supports,
 )
+from kdn_compile.lowering.two_key_bwd import two_key_bwd
+from kdn_compile.lowering.two_key_common import two_key_kernel_supports
+from kdn_compile.lowering.two_key_fwd import two_key_fwd
 from kdn_compile.ops._dispatch import _tracing, can_launch
 from kdn_compile.ops._registry import FamilyOps
 from kdn_compile.reference._common import segments, work_dtype
@@ -79,6 +89,51 @@ def _memory(q, k, v, log_alpha, gain, memory, cu_seqlens, scale, chunk_size):
     return torch.cat(outputs, dim=1).to(v.dtype), torch.cat(memories, dim=0)
 
 
+def _memory_kernels(q, v, chunk_size) -> bool:
+    """Whether the memory runs on the two-key Triton kernels (same rule as ``chunk_kda``)."""
+    return can_launch(q) and two_key_kernel_supports(q, v, chunk_size=chunk_size)
+
+
+def _memory_decay(log_alpha: Tensor) -> Tensor:
+    return log_alpha.clamp_min(ref.LOG_MEMORY_ALPHA_FLOOR)
+
+
+def _memory_fwd(q, k, v, log_alpha, gain, memory, cu_seqlens, scale, chunk_size):
+    """``(output, memory)`` of the two-key memory on the kernels (else the reference math)."""
+    if not _memory_kernels(q, v, chunk_size):
+        return _memory(q, k, v, log_alpha, gain, memory, cu_seqlens, scale, chunk_size)
+    output, final, *_ = two_key_fwd(
+        q, k, gain, v, _memory_decay(log_alpha), memory, cu_seqlens,
+        chunk_size=chunk_size, scale=scale, state_v_first=False,
+    )
+    return output, final
+
+
+@torch.library.triton_op("kdn::diag_kdn_memory_bwd", mutates_args=())
+def diag_kdn_memory_bwd_op(
+    q: Tensor, k: Tensor, v: Tensor, log_alpha: Tensor, gain: Tensor, memory: Tensor,
+    cu_seqlens: Optional[Tensor], scale: float, chunk_size: int,
+    grad_output: Tensor, grad_memory: Optional[Tensor],
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Gradients of the Diag-KDN memory on the two-key kernels.
+
+    Returns ``(dq, dk, dv, dlog_alpha, dgain, dmemory)``; ``dlog_alpha`` is zero
+    where ``log_alpha`` sits below the memory floor (the clamp's gradient).
+    Recomputes the forward's saved tensors.
+    """
+    decay = _memory_decay(log_alpha)
+    _, _, *saved = two_key_fwd(
+        q, k, gain, v, decay, memory, cu_seqlens,
+        chunk_size=chunk_size, scale=scale, state_v_first=False,
+    )
+    dq, dk, dgain, dv, ddecay, dmemory = two_key_bwd(
+        q, k, gain, v, decay, memory, cu_seqlens, *saved, grad_output, grad_memory,
+        chunk_size=chunk_size, scale=scale, state_v_first=False,
+    )
+    dlog_alpha = torch.where(log_alpha >= ref.LOG_MEMORY_ALPHA_FLOOR, ddecay, 0.0)
+    return dq, dk, dv, dlog_alpha, dgain, dmemory.to(memory.dtype)
+
+
 @torch.library.triton_op("kdn::diag_kdn", mutates_args=())
 def diag_kdn_op(
     q: Tensor, k: Tensor, v: Tensor, log_alpha: Tensor, omega: Tensor, r: Tensor,
@@ -89,7 +144,8 @@ def diag_kdn_op(
     if _gain_kernels(q, k, log_alpha, omega, r, precision, cu_seqlens):
         gain, final_precision, _, _ = kalman_gain_fwd(
             k, log_alpha, omega, r, precision, cu_seqlens, info_scale=info_scale)
-        output, memory = _memory(q, k, v, log_alpha, gain, memory, cu_seqlens, scale, chunk_size)
+        output, memory = _memory_fwd(q, k, v, log_alpha, gain, memory, cu_seqlens, scale,
+                                     chunk_size)
         return output, memory, final_precision
     return torch.ops.kdn.diag_kdn_reference(
         q, k, v, log_alpha, omega, r, memory, precision, cu_seqlens, scale, info_scale,
@@ -109,15 +165,23 @@ def _diag_kdn_backward(inputs, grads):
     gain, _, chunk_cov, final_cov = kalman_gain_fwd(
         k, log_alpha, omega, r, precision, cu_seqlens, info_scale=info_scale)
     dtype = work_dtype(q.dtype)
-    with torch.enable_grad():
-        leaves = [x.detach().to(dtype).requires_grad_() for x in (q, k, v, log_alpha, gain, memory)]
-        output, memory_out = _memory(*leaves, cu_seqlens, inputs["scale"], inputs["chunk_size"])
-        found = torch.autograd.grad((output, memory_out), leaves, (doutput, dmemory),
-                                    allow_unused=True)
-    dq, dk, dv, dlog_alpha, dgain, dmemory0 = (
-        torch.zeros_like(x) if g is None else g for x, g in zip(leaves, found))
+    if _memory_kernels(q, v, inputs["chunk_size"]):
+        dq, dk, dv, dlog_alpha, dgain, dmemory0 = diag_kdn_memory_bwd_op(
+            q, k, v, log_alpha, gain, memory, cu_seqlens, inputs["scale"],
+            inputs["chunk_size"], doutput, dmemory)
+        dk, dlog_alpha = dk.to(dtype), dlog_alpha.to(dtype)
+    else:
+        with torch.enable_grad():
+            leaves = [x.detach().to(dtype).requires_grad_()
+                      for x in (q, k, v, log_alpha, gain, memory)]
+            output, memory_out = _memory(*leaves, cu_seqlens, inputs["scale"],
+                                         inputs["chunk_size"])
+            found = torch.autograd.grad((output, memory_out), leaves, (doutput, dmemory),
+                                        allow_unused=True)
+        dq, dk, dv, dlog_alpha, dgain, dmemory0 = (
+            torch.zeros_like(x) if g is None else g for x, g in zip(leaves, found))
     dk_gain, dlog_alpha_gain, domega, dr, dprecision0 = kalman_gain_bwd(
-        leaves[1].detach(), leaves[3].detach(), omega, r, precision, cu_seqlens, chunk_cov,
+        k.to(dtype), log_alpha.to(dtype), omega, r, precision, cu_seqlens, chunk_cov,
         final_cov, dgain, dprecision, info_scale=info_scale)
     return {
         "q": dq.to(q.dtype), "k": (dk + dk_gain).to(k.dtype), "v": dv.to(v.dtype),
