@@ -7,7 +7,8 @@ state and the final state returned:
   FLA = ``fla.ops.kda.chunk_kda(..., output_final_state=True)``;
 * forward + backward of a random output gradient: ours adds :func:`two_key_bwd`
   and the ``beta`` chain rule (``dbeta = sum(dw k)``, ``dk += beta dw``); FLA
-  through autograd.
+  through autograd; "op" is ``kdn_compile.chunk_kda`` through autograd (its
+  backward recomputes the forward's saved tensors).
 
 Before timing, checks that both agree on the output (relative error printed).
 Prints a markdown table and, when ``$OUT`` is set, writes the rows as JSON there.
@@ -25,6 +26,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
+import kdn_compile
 from kdn_compile.lowering.two_key_bwd import two_key_bwd
 from kdn_compile.lowering.two_key_fwd import two_key_fwd
 
@@ -84,6 +86,15 @@ def main() -> None:
         o, final, *_ = ours_fwd(q, k, v, g, beta, h0, scale)
         row["ours_fwd"] = bench(lambda: ours_fwd(q, k, v, g, beta, h0, scale))
         row["ours_fwd_bwd"] = bench(lambda: ours_fwd_bwd(q, k, v, g, beta, h0, scale, do))
+        # Through the op and autograd (its backward recomputes the forward).
+        op_leaves = [t.detach().clone().requires_grad_() for t in (q, k, v, g, beta, h0)]
+
+        def op_fwd_bwd():
+            out, _ = kdn_compile.chunk_kda(*op_leaves[:5], scale=scale,
+                                           initial_state=op_leaves[5], chunk_size=64)
+            torch.autograd.backward([out], [do])
+
+        row["op_fwd_bwd"] = bench(op_fwd_bwd)
         if chunk_kda is not None:
             o_fla, s_fla = chunk_kda(q, k, v, g, beta, scale=scale, initial_state=h0,
                                      output_final_state=True)
@@ -124,13 +135,13 @@ def main() -> None:
     print(f"\n{meta['date']}, {meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}; "
           "K = V = 128, bf16, ms (do_bench median)")
     print("| B x T x H | FLA fwd | ours fwd | ratio | FLA fwd+bwd | ours fwd+bwd | ratio |"
-          " o vs FLA |")
-    print("|---|---|---|---|---|---|---|---|")
+          " op fwd+bwd | o vs FLA |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         fla_f, fla_fb = r.get("fla_fwd", float("nan")), r.get("fla_fwd_bwd", float("nan"))
         print(f"| {r['shape']} | {fla_f:.3f} | {r['ours_fwd']:.3f} | {r['ours_fwd'] / fla_f:.2f} "
               f"| {fla_fb:.3f} | {r['ours_fwd_bwd']:.3f} | {r['ours_fwd_bwd'] / fla_fb:.2f} "
-              f"| {r.get('o_vs_fla', float('nan')):.1e} |")
+              f"| {r['op_fwd_bwd']:.3f} | {r.get('o_vs_fla', float('nan')):.1e} |")
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "bench_kda.json"), "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)
