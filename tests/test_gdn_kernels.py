@@ -138,20 +138,26 @@ def test_supports():
 
 # -- GPU ------------------------------------------------------------------------------------
 
+BF16, FP32 = (torch.bfloat16, 1e-2), (torch.float32, 1e-3)
 GPU_CASES = [
-    # B, T, Hk, Hv, K, V, cu_seqlens, gate_scale
-    pytest.param(2, 1000, 2, 4, 128, 128, None, 1.0, id="bf16-grouped"),
-    pytest.param(1, 32768, 1, 2, 128, 128, None, 0.05, id="T32768-gates-near-zero"),
-    pytest.param(1, 3000, 2, 2, 64, 64, [0, 5, 700, 701, 2999, 3000], 20.0, id="varlen-strong-gates"),
-    pytest.param(1, 300, 1, 1, 256, 256, None, 1.0, id="K256"),
+    # dtype and tolerance, B, T, Hk, Hv, K, V, cu_seqlens, gate_scale
+    pytest.param(*BF16, 2, 1000, 2, 4, 128, 128, None, 1.0, id="bf16-grouped"),
+    pytest.param(*FP32, 2, 1000, 2, 4, 128, 128, None, 1.0, id="fp32-grouped"),
+    pytest.param(*BF16, 1, 32768, 1, 2, 128, 128, None, 0.05, id="bf16-T32768-gates-near-zero"),
+    pytest.param(*FP32, 1, 8192, 1, 1, 128, 128, None, 0.05, id="fp32-T8192-gates-near-zero"),
+    pytest.param(*BF16, 1, 3000, 2, 2, 64, 64, [0, 5, 700, 701, 2999, 3000], 20.0,
+                 id="bf16-varlen-strong-gates"),
+    pytest.param(*FP32, 1, 3000, 2, 2, 64, 64, [0, 5, 700, 701, 2999, 3000], 20.0,
+                 id="fp32-varlen-strong-gates"),
+    pytest.param(*BF16, 1, 300, 1, 1, 256, 256, None, 1.0, id="bf16-K256"),
+    pytest.param(*FP32, 1, 300, 1, 1, 256, 256, None, 1.0, id="fp32-K256"),
 ]
 
 
 @needs_cuda
-@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 1e-2), (torch.float32, 1e-3)],
-                         ids=["bf16", "fp32"])
-@pytest.mark.parametrize("B,T,Hk,Hv,K,V,cu,gate_scale", GPU_CASES)
+@pytest.mark.parametrize("dtype,tol,B,T,Hk,Hv,K,V,cu,gate_scale", GPU_CASES)
 def test_kernels_gpu(dtype, tol, B, T, Hk, Hv, K, V, cu, gate_scale):
+    """Fresh random inputs each run (fp32 kernels use exact fp32 products, no tf32)."""
     torch.backends.cuda.matmul.allow_tf32 = False
     cu_seqlens = None if cu is None else torch.tensor(cu, dtype=torch.int32, device="cuda")
     N = B if cu is None else len(cu) - 1
