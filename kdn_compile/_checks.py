@@ -45,7 +45,10 @@ def check_same_device(**tensors) -> None:
 def check_chunk_size(chunk_size) -> None:
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, (int, float)):
         raise TypeError(f"chunk_size must be a positive int, got {type(chunk_size).__name__}")
-    if not math.isfinite(chunk_size) or chunk_size != int(chunk_size) or chunk_size < 1:
+    # math.isfinite only on real floats: an int may be symbolic under torch.compile.
+    if isinstance(chunk_size, float) and not math.isfinite(chunk_size):
+        raise ValueError(f"chunk_size must be a positive finite int, got {chunk_size}")
+    if chunk_size != int(chunk_size) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive finite int, got {chunk_size}")
 
 

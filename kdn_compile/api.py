@@ -175,8 +175,21 @@ def recurrent_delta_rule(
     """Token-by-token gated delta rule (the decode path): GDN when ``g`` is
     ``[B, T, Hv]``, KDA when ``g`` is ``[B, T, Hv, K]``.
 
-    Arguments, returns and errors as :func:`chunk_gdn` (no chunking, no
-    quantization). Source: :func:`kdn_compile.reference.recurrent_delta_rule_reference`.
+    Args:
+        q, k: ``[B, T, Hk, K]``; v: ``[B, T, Hv, V]``; beta: ``[B, T, Hv]``.
+        g: natural-log decay, ``[B, T, Hv]`` (GDN) or ``[B, T, Hv, K]`` (KDA).
+        scale: output scale, default ``K ** -0.5``.
+        initial_state: ``[N, Hv, K, V]`` (value-major with ``state_v_first``).
+        cu_seqlens: ``[N + 1]`` packed-sequence boundaries, ``B == 1``.
+        state_v_first: states are ``[N, Hv, V, K]``.
+
+    Returns:
+        ``(o, final_state)`` as :func:`chunk_gdn`.
+
+    Raises:
+        ValueError, TypeError: as :func:`chunk_gdn`; ``g`` of another shape.
+
+    Source: :func:`kdn_compile.reference.recurrent_delta_rule_reference`.
     """
     check_delta_inputs(
         q, k, v, g, beta, initial_state=initial_state, cu_seqlens=cu_seqlens,
@@ -213,11 +226,13 @@ def diag_kdn(
             as is, the memory floors it at ``LOG_MEMORY_ALPHA_FLOOR = log(1e-6)``.
         omega: ``[B, T, H, K]`` process noise (``>= 0``).
         r: ``[B, T, H]`` observation noise (``> 0``).
-        memory: ``[N, H, K, V]`` memory carried in; precision: ``[N, H, K]``
-            (``1 / p``, ``> 0``) carried in (see
+        memory: ``[N, H, K, V]`` memory carried in (see
             :func:`kdn_compile.reference.initial_state`).
-        scale: output scale; info_scale: weight of the information update.
-        chunk_size: tokens per chunk; cu_seqlens: ``[N + 1]`` packed boundaries, ``B == 1``.
+        precision: ``[N, H, K]`` precision ``1 / p`` (``> 0``) carried in.
+        scale: output scale.
+        info_scale: weight of the information update ``info_scale * k**2 / r``.
+        chunk_size: tokens per chunk (64 for the kernels).
+        cu_seqlens: ``[N + 1]`` int32/int64 packed-sequence boundaries, ``B == 1``.
 
     Returns:
         ``(o [B, T, H, V] in v's dtype, memory [N, H, K, V], precision [N, H, K])``,

@@ -15,7 +15,7 @@ Functions take and return ``(memory, precision)`` so that prefill, decode and
 padded batches continue a sequence exactly. Shapes: ``q, k, log_alpha, omega``
 ``[B, T, H, K]``, ``v [B, T, H, V]``, ``r [B, T, H]``, ``memory [B, H, K, V]``,
 ``precision [B, H, K]``. Math runs in ``promote_types(dtype, float32)``.
-Source: the Diagonal KDN specification (``shared/spec``).
+Source: the Diagonal KDN specification (the docs' math page).
 """
 
 from __future__ import annotations
