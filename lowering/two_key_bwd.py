@@ -143,21 +143,39 @@ def _two_key_bwd_intra_kernel(
     last = tl.minimum(t0 + BT, eos) - 1
     o_k = i_k * BK + tl.arange(0, BK)
 
-    # Gradient of c_last through the state decay and the write factors
-    # e^{c_last - c}: sum_v S1 * dS1, S1 the state at the chunk's end.
+    # Gradient of c_last: e^{c_last} sum_v S0 dS1 (state decay) plus
+    # sum_t (w e^{c_last - c})_t (X dS1^T)_t (write factors). The second sum is
+    # formed from the same products as the per-row terms below, so that the
+    # reverse cumulative sum cancels them to float32 rounding. (The equal
+    # sum_v S1 dS1 from the stored half-precision S1 does not: dlog_decay was
+    # off by 42% in bf16 with decays at log(1e-6), H200, 2026-11-30.)
+    o_c = tl.arange(0, BC)
+    H2: tl.constexpr = Hv * NK
+    HK2: tl.constexpr = Hk * NK
     p_h0 = ((i_c + i_n).to(tl.int64) * Hv + i_h) * K * V
+    p_dh = (i_c.to(tl.int64) * Hv + i_h) * K * V
+    b_cl = load_row(c + i_k * BK, last, eos, i_h * NK, H2, BK)
     b_carry = tl.zeros([BK], dtype=tl.float32)
     for i_v in range(V // BV):
         o_v = i_v * BV + tl.arange(0, BV)
         p_s = o_k[:, None] * V + o_v[None, :]
-        b_s1 = tl.load(h + p_h0 + Hv * K * V + p_s).to(tl.float32)
-        b_dh = tl.load(dh + (i_c.to(tl.int64) * Hv + i_h) * K * V + p_s)
-        b_carry += tl.sum(b_s1 * b_dh.to(tl.float32), 1)
-    b_cl = load_row(c + i_k * BK, last, eos, i_h * NK, Hv * NK, BK)
+        b_h = tl.load(h + p_h0 + p_s).to(tl.float32)
+        b_dh = tl.load(dh + p_dh + p_s).to(tl.float32)
+        b_carry += tl.sum(b_h * b_dh, 1)
+    b_carry *= tl.exp(b_cl)
+    for i in tl.static_range(BT // BC):
+        m_i = (t0 + i * BC + o_c) < eos
+        b_wl = load_rows(w + i_k * BK, t0 + i * BC, o_c, m_i, i_h * NK, H2, BK) * tl.exp(
+            b_cl[None, :] - load_rows(c + i_k * BK, t0 + i * BC, o_c, m_i, i_h * NK, H2, BK))
+        b_dwl = tl.zeros([BC, BK], dtype=tl.float32)
+        for i_v in range(V // BV):
+            o_v = i_v * BV + tl.arange(0, BV)
+            p_x = ((t0 + i * BC) * Hv + i_h) * V + (o_c[:, None] * (Hv * V) + o_v[None, :])
+            b_x = tl.load(x + p_x, mask=m_i[:, None], other=0.0).to(tl.float32)
+            b_dh = tl.load(dh + p_dh + o_k[:, None] * V + o_v[None, :]).to(tl.float32)
+            b_dwl += tl.dot(b_x, tl.trans(b_dh))
+        b_carry += tl.sum(tl.where(m_i[:, None], b_wl * b_dwl, 0.0), 0)
 
-    o_c = tl.arange(0, BC)
-    H2: tl.constexpr = Hv * NK
-    HK2: tl.constexpr = Hk * NK
     for i in tl.static_range(BT // BC - 1, -1, -1):
         o_i = t0 + i * BC + o_c
         m_i = o_i < eos

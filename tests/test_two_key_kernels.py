@@ -147,6 +147,8 @@ def run_case(x, cu_seqlens, *, dtype, device, tol, state_v_first=False, seed=1):
 
 CPU_CASES = [
     # id, (B, T, Hk, Hv, K, V), cu_seqlens, gate_min, floor_share, with_state, state_v_first
+    # (float32; the fp16 case below checks half-precision storage: the interpreter's
+    # bf16 tl.dot is wrong, 2026-11-30, Triton 3.9 CPU, so bf16 runs on CUDA only)
     ("T1", (1, 1, 1, 1, 16, 16), None, -1.0, 0.0, True, False),
     ("T63-grouped", (1, 63, 1, 2, 16, 16), None, -1.0, 0.0, True, False),
     ("T65-K32-floor", (1, 65, 1, 1, 32, 16), None, LOG_MEMORY_ALPHA_FLOOR, 0.5, True, False),
@@ -165,6 +167,15 @@ def test_interpreter_matches_reference(case, poisoned):
     x = two_key_inputs(B, T, Hk, Hv, K, V, N=N, gate_min=gate_min, floor_share=share,
                        with_state=with_state, state_v_first=v_first)
     run_case(x, cu_seqlens, dtype=torch.float32, device="cpu", tol=1e-4, state_v_first=v_first)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter cases run without CUDA")
+def test_interpreter_fp16_floor_decay_gradient(poisoned):
+    """Half-precision intermediates with decays at log(1e-6): dlog_decay must not lose
+    its small values to cancellation (it did, 42% in bf16 on the H200, before the
+    c_last gradient was formed from the same products as the per-row terms)."""
+    x = two_key_inputs(1, 130, 1, 1, 32, 32, gate_min=LOG_MEMORY_ALPHA_FLOOR, floor_share=0.5)
+    run_case(x, None, dtype=torch.float16, device="cpu", tol=1e-2)
 
 
 def test_supports():
