@@ -12,7 +12,7 @@ FLA (fla-core 0.6.0) refuses its GDN backward on Triton >= 3.4, < 3.7.1 on
 Hopper (a miscompiled gated kernel, FLA issue 640); the refusal is lifted here to
 time it, so its backward numbers are its speed, not a correct result. Before
 timing, checks that the two forwards agree. ``--sweep`` also times our
-recurrence at each value tile and ``--profile`` prints per-kernel times of one
+recurrence at each value tile and pipeline depth and ``--profile`` prints per-kernel times of one
 forward + backward. Prints a markdown table; with ``$OUT`` set, writes the rows
 as JSON there. Run: ``python benchmarks/bench_gdn.py [--shapes 8x4096x16x16,...]``.
 """
@@ -89,21 +89,31 @@ def peak_memory(step):
 
 
 def sweep(inputs, scale, do):
-    """Our fwd and fwd+bwd with every value tile of the sequential kernels."""
+    """Our fwd and fwd+bwd at every value tile and pipeline depth of the sequential kernels."""
+    import kdn_compile.lowering.chunk_gdn_bwd as bwd_module
+
     real = fwd_module.recurrence_config
     found = {}
     for tile in (16, 32, 64):
-        def fixed(k_dim, v_dim, dtype, programs, device, _tile=tile):
-            return min(_tile, v_dim), real(k_dim, v_dim, dtype, programs, device)[1]
-        fwd_module.recurrence_config = fixed
-        import kdn_compile.lowering.chunk_gdn_bwd as bwd_module
-        bwd_module.recurrence_config = fixed
-        try:
-            found[tile] = (bench(lambda: ours(*inputs, scale)), bench(fwd_bwd(ours, inputs, scale, do)))
-        finally:
-            fwd_module.recurrence_config = real
-            bwd_module.recurrence_config = real
+        for stages in (1, 2):
+            def fixed(k_dim, v_dim, dtype, programs, device, _tile=tile, _stages=stages):
+                return min(_tile, v_dim), _stages
+            fwd_module.recurrence_config = bwd_module.recurrence_config = fixed
+            try:
+                found[f"BV{tile}/s{stages}"] = (bench(lambda: ours(*inputs, scale)),
+                                                bench(fwd_bwd(ours, inputs, scale, do)))
+            finally:
+                fwd_module.recurrence_config = bwd_module.recurrence_config = real
     return found
+
+
+def table_row(r):
+    nan = float("nan")
+    fla_f, fla_fb = r.get("fla_fwd", nan), r.get("fla_fwd_bwd", nan)
+    return (f"| {r['shape']} | {fla_f:.3f} | {r['ours_fwd']:.3f} | {r['ours_fwd'] / fla_f:.2f} "
+            f"| {fla_fb:.3f} | {r['ours_fwd_bwd']:.3f} | {r['ours_fwd_bwd'] / fla_fb:.2f} "
+            f"| {r.get('fla_peak_mib', nan):.0f} | {r['ours_peak_mib']:.0f} "
+            f"| {r.get('o_vs_fla', nan):.1e} |")
 
 
 def main() -> None:
@@ -113,6 +123,29 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true")
     args = parser.parse_args()
     fla = fla_gdn()
+    meta = {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+        "triton": triton.__version__, "fla": "fla-core 0.6.0" if fla else "absent",
+    }
+    print(f"{meta['date']}, {meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}; "
+          "K = V = 128, bf16, ms (do_bench median); peak MiB of one fwd+bwd", flush=True)
+    header = ("| B x T x Hk x Hv | FLA fwd | ours fwd | ratio | FLA fwd+bwd | ours fwd+bwd | ratio "
+              "| FLA peak | ours peak | o vs FLA |\n|---|---|---|---|---|---|---|---|---|---|")
+    if args.profile:  # first: a run cut short still shows where the time goes
+        B, T, Hk, Hv = (int(s) for s in args.shapes.split(",")[0].split("x"))
+        inputs = make_inputs(B, T, Hk, Hv)
+        step = fwd_bwd(ours, inputs, 128 ** -0.5, torch.randn_like(inputs[2]))
+        step()
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                step()
+            torch.cuda.synchronize()
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14), flush=True)
+        del inputs, step
+        torch.cuda.empty_cache()
+
     rows = []
     for shape in args.shapes.split(","):
         B, T, Hk, Hv = (int(s) for s in shape.split("x"))
@@ -136,42 +169,16 @@ def main() -> None:
         if args.sweep:
             row["sweep"] = sweep(inputs, scale, do)
         rows.append(row)
-        print(row, flush=True)
+        print(*([header] if len(rows) == 1 else []), table_row(row), sep="\n", flush=True)
+        if "sweep" in row:
+            print("sweep (fwd, fwd+bwd):", {n: tuple(round(x, 3) for x in v)
+                                           for n, v in row["sweep"].items()}, flush=True)
         del inputs, do, o, final
         torch.cuda.empty_cache()
 
-    if args.profile:
-        B, T, Hk, Hv = (int(s) for s in args.shapes.split(",")[0].split("x"))
-        inputs = make_inputs(B, T, Hk, Hv)
-        step = fwd_bwd(ours, inputs, 128 ** -0.5, torch.randn_like(inputs[2]))
-        step()
-        torch.cuda.synchronize()
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            for _ in range(5):
-                step()
-            torch.cuda.synchronize()
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14))
-
-    meta = {
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-        "triton": triton.__version__,
-    }
-    nan = float("nan")
-    print(f"\n{meta['date']}, {meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}; "
-          "K = V = 128, bf16, ms (do_bench median); peak MiB of one fwd+bwd")
-    print("| B x T x Hk x Hv | FLA fwd | ours fwd | ratio | FLA fwd+bwd | ours fwd+bwd | ratio "
-          "| FLA peak | ours peak | o vs FLA |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("\n" + header)
     for r in rows:
-        fla_f, fla_fb = r.get("fla_fwd", nan), r.get("fla_fwd_bwd", nan)
-        print(f"| {r['shape']} | {fla_f:.3f} | {r['ours_fwd']:.3f} | {r['ours_fwd'] / fla_f:.2f} "
-              f"| {fla_fb:.3f} | {r['ours_fwd_bwd']:.3f} | {r['ours_fwd_bwd'] / fla_fb:.2f} "
-              f"| {r.get('fla_peak_mib', nan):.0f} | {r['ours_peak_mib']:.0f} "
-              f"| {r.get('o_vs_fla', nan):.1e} |")
-        if "sweep" in r:
-            print("|  sweep BV -> (fwd, fwd+bwd) |", {t: tuple(round(x, 3) for x in v)
-                                                     for t, v in r["sweep"].items()})
+        print(table_row(r))
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "bench_gdn.json"), "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)
