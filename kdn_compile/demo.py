@@ -19,11 +19,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import kdn_compile
 from kdn_compile.layers import DiagKDN, GatedDeltaNet, KimiDeltaAttention
 
 LAYERS = {"gdn": GatedDeltaNet, "kda": KimiDeltaAttention, "kdn": DiagKDN}
 VOCAB = ["\n"] + [chr(c) for c in range(32, 127)]  # printable ASCII; anything else reads as "?"
 PROMPT = "def __init__(self"
+DECODED = 8  # tokens decoded one by one after the prefill in the exactness check
 DECODE_TOLERANCE = 1e-4  # chunked vs token-by-token float32 rounding is ~1e-6 here
 
 
@@ -78,7 +80,7 @@ class CharLM(nn.Module):
         self.embed = nn.Embedding(vocab, dim)
         mixer = LAYERS[layer]
         self.blocks = nn.ModuleList(
-            Block(dim, mixer(dim, heads, dim // heads, chunk_size=32)) for _ in range(depth)
+            Block(dim, mixer(dim, heads, dim // heads)) for _ in range(depth)
         )
         self.norm, self.head = nn.RMSNorm(dim), nn.Linear(dim, vocab, bias=False)
 
@@ -108,17 +110,22 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
-def _step_time(loss_fn, model, ids, targets, device, repeats=5):
-    """Median seconds of one forward + backward (gradients discarded)."""
-    times = []
+def _step_times(loss_fns, model, ids, targets, device, repeats=5):
+    """Median seconds of one forward + backward for each of ``loss_fns``.
+
+    The functions take turns, so load from elsewhere on the machine falls on
+    all of them alike; gradients are discarded.
+    """
+    times = [[] for _ in loss_fns]
     for _ in range(repeats):
-        _sync(device)
-        start = time.perf_counter()
-        loss_fn(model, ids, targets).backward()
-        _sync(device)
-        times.append(time.perf_counter() - start)
-        model.zero_grad(set_to_none=True)
-    return statistics.median(times)
+        for fn, bucket in zip(loss_fns, times):
+            _sync(device)
+            start = time.perf_counter()
+            fn(model, ids, targets).backward()
+            _sync(device)
+            bucket.append(time.perf_counter() - start)
+            model.zero_grad(set_to_none=True)
+    return [statistics.median(bucket) for bucket in times]
 
 
 @torch.no_grad()
@@ -166,41 +173,23 @@ def generate(model, prompt: str, count: int, generator, device, temperature=0.8)
     return decode(out)
 
 
-def _graph_count():
+def _dynamo_counts() -> tuple[int, int]:
+    """(graph breaks, graphs compiled) so far in this process."""
     from torch._dynamo.utils import counters
 
     return sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"]
 
 
-def run(args: argparse.Namespace) -> dict:
-    """Train and report; returns the report's numbers (also printed)."""
+def train(model, loss_fn, train_ids, args, generator, device) -> float:
+    """AdamW over random windows with a progress bar; returns the first step's seconds."""
     from tqdm import tqdm
 
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    torch.manual_seed(args.seed)
-    data = encode(load_corpus())
-    split = int(0.95 * data.numel())
-    train, held_out = data[:split], data[split:]
-    model = CharLM(args.layer, len(VOCAB), dim=args.dim, depth=args.depth).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
-    generator = torch.Generator().manual_seed(args.seed)
-    eval_ids, eval_targets = _batch(held_out, args.batch, args.length, generator, device)
-    with torch.no_grad():
-        loss_before = _loss(model, eval_ids, eval_targets).item()
-
-    torch._dynamo.reset()
-    breaks0, graphs0 = _graph_count()
-    loss_fn = _loss if args.no_compile else torch.compile(_loss, fullgraph=True)
-    print(
-        f"kdn-compile demo: {args.layer} x {args.depth}, dim {args.dim}, {len(data):,} chars of "
-        f"stdlib source, {args.steps} steps of {args.batch} x {args.length} on {device}, "
-        f"{'eager' if args.no_compile else 'torch.compile(fullgraph=True)'}"
-    )
-    compile_time = None
     tokens = args.batch * args.length
+    first_step = 0.0
     bar = tqdm(range(args.steps), desc="train", unit="step")
     for step in bar:
-        ids, targets = _batch(train, args.batch, args.length, generator, device)
+        ids, targets = _batch(train_ids, args.batch, args.length, generator, device)
         _sync(device)
         start = time.perf_counter()
         loss = loss_fn(model, ids, targets)
@@ -210,68 +199,115 @@ def run(args: argparse.Namespace) -> dict:
         optimizer.zero_grad(set_to_none=True)
         _sync(device)
         elapsed = time.perf_counter() - start
-        if step == 0:
-            compile_time = elapsed
+        first_step = elapsed if step == 0 else first_step
         bar.set_postfix(loss=f"{loss.item():.3f}", tok_s=f"{tokens / elapsed:,.0f}")
     bar.close()
-    with torch.no_grad():
-        loss_after = _loss(model, eval_ids, eval_targets).item()
-    breaks, graphs = _graph_count()
-    report = {
-        "loss_before": loss_before,
-        "loss_after": loss_after,
-        "graph_breaks": breaks - breaks0,
-        "graphs": graphs - graphs0,
-    }
-    report["recompiles"] = max(report["graphs"] - 1, 0)
+    return first_step
 
-    eager_step = _step_time(_loss, model, eval_ids, eval_targets, device)
-    report["eager_step_s"] = eager_step
-    if not args.no_compile:
-        compiled_step = _step_time(loss_fn, model, eval_ids, eval_targets, device)
-        report["compiled_step_s"] = compiled_step
-        report["compile_s"] = compile_time - compiled_step
+
+def run(args: argparse.Namespace) -> dict:
+    """Train, check capture, generate; prints the report and returns its numbers."""
+    if args.length <= DECODED:
+        raise SystemExit(f"kdn-compile demo: --length must be > {DECODED}, got {args.length}")
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    threads = torch.get_num_threads()
+    if device.type == "cpu":
+        # measured on 2 cores, fwd+bwd of the default model: 1 thread 100 ms, 2 threads
+        # 73 ms when idle but 1900 ms while other processes load the machine
+        torch.set_num_threads(args.threads)
+    try:
+        return _run(args, device)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(args: argparse.Namespace, device: torch.device) -> dict:
+    started = time.perf_counter()
+    torch.manual_seed(args.seed)
+    data = encode(load_corpus())
+    split = int(0.95 * data.numel())
+    train_ids, held_out = data[:split], data[split:]
+    model = CharLM(args.layer, len(VOCAB), dim=args.dim, depth=args.depth).to(device)
+    generator = torch.Generator().manual_seed(args.seed)
+    eval_ids, eval_targets = _batch(held_out, args.batch, args.length, generator, device)
+    compiled = not args.no_compile
+    mode = f"torch.compile(fullgraph=True, backend={args.compile_backend!r})" if compiled else "eager"
+    print(
+        f"kdn-compile demo: {args.layer} x {args.depth} blocks, dim {args.dim}, "
+        f"{sum(p.numel() for p in model.parameters()):,} parameters; {len(data):,} chars of "
+        f"stdlib source; {args.steps} steps of {args.batch} x {args.length} on {device}; "
+        f"{mode}; kdn backend {kdn_compile.get_backend()!r}"
+    )
+    report = {}
+    with torch.no_grad():
+        report["loss_before"] = _loss(model, eval_ids, eval_targets).item()
+
+    torch._dynamo.reset()
+    breaks, graphs = _dynamo_counts()
+    loss_fn = torch.compile(_loss, fullgraph=True, backend=args.compile_backend) if compiled else _loss
+    first_step = train(model, loss_fn, train_ids, args, generator, device)
+    with torch.no_grad():
+        report["loss_after"] = _loss(model, eval_ids, eval_targets).item()
+    if compiled:
+        eager, fast = _step_times((_loss, loss_fn), model, eval_ids, eval_targets, device)
+        report.update(eager_step_s=eager, compiled_step_s=fast, compile_s=first_step - fast)
+        report["graph_breaks"] = _dynamo_counts()[0] - breaks
+        report["graphs"] = _dynamo_counts()[1] - graphs
+        report["recompiles"] = max(report["graphs"] - 1, 0)
+    else:
+        (report["eager_step_s"],) = _step_times((_loss,), model, eval_ids, eval_targets, device)
 
     model.eval()
-    prompt_ids = eval_ids[:1, :48]
-    report["decode_max_diff"] = decode_matches_full_pass(model, prompt_ids, prefill=40)
+    prompt = eval_ids[:1, :48]
+    report["prefill"], report["decoded"] = prompt.shape[1] - DECODED, DECODED
+    report["decode_max_diff"] = decode_matches_full_pass(model, prompt, prefill=report["prefill"])
     report["export_ops"], report["export_max_diff"] = export_layer(
         model.blocks[0].mixer, args.dim, device
     )
     report["sample"] = generate(model, PROMPT, 200, generator, device)
-    _print_report(report, args)
+    report["total_s"] = time.perf_counter() - started
+    _print_report(report)
     return report
 
 
-def _print_report(r: dict, args) -> None:
+def _print_report(r: dict) -> None:
     ok = lambda good: "ok" if good else "MISMATCH"  # noqa: E731
     print("\n== report ==")
-    print(f"loss (held-out batch): {r['loss_before']:.3f} -> {r['loss_after']:.3f}")
+    print(f"loss on a held-out batch: {r['loss_before']:.3f} before, {r['loss_after']:.3f} after")
     if "compiled_step_s" in r:
         print(f"graph breaks: {r['graph_breaks']}   graphs compiled: {r['graphs']}   "
               f"recompiles: {r['recompiles']}")
-        print(f"compile time: {r['compile_s']:.1f} s")
+        print(f"compile time: {r['compile_s']:.1f} s (first step minus a compiled step)")
         speedup = r["eager_step_s"] / r["compiled_step_s"]
         print(f"step (fwd+bwd): eager {1e3 * r['eager_step_s']:.1f} ms, compiled "
               f"{1e3 * r['compiled_step_s']:.1f} ms ({speedup:.2f}x)")
     else:
         print(f"step (fwd+bwd): eager {1e3 * r['eager_step_s']:.1f} ms (--no-compile)")
     d = r["decode_max_diff"]
-    print(f"prefill 40 + decode 8 vs one pass: max |diff| {d:.2e} ({ok(d < DECODE_TOLERANCE)})")
+    print(f"prefill {r['prefill']} + decode {r['decoded']} tokens vs one pass: max |logit diff| {d:.1e} "
+          f"({ok(d < DECODE_TOLERANCE)})")
     e = r["export_max_diff"]
-    print(f"torch.export of blocks[0].mixer (dynamic T), run at T=91: max |diff| {e:.2e} "
-          f"({ok(e < DECODE_TOLERANCE)}); ops {r['export_ops']}")
-    print(f"sample from {PROMPT!r}:\n{PROMPT}{r['sample']}")
+    ops = ", ".join(op.replace(".default", "") for op in r["export_ops"])
+    print(f"torch.export of blocks[0].mixer (dynamic T, ops: {ops}), run at T=91: "
+          f"max |diff| {e:.1e} ({ok(e < DECODE_TOLERANCE)})")
+    print(f"total: {r['total_s']:.0f} s")
+    print(f"200 characters sampled after {PROMPT!r}:\n{PROMPT}{r['sample']}")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--steps", type=int, default=150, help="training steps (default 150)")
-    parser.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if present)")
-    parser.add_argument("--layer", choices=sorted(LAYERS), default="gdn", help="token mixer")
-    parser.add_argument("--no-compile", action="store_true", help="train eagerly")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--dim", type=int, default=64, help=argparse.SUPPRESS)
-    parser.add_argument("--depth", type=int, default=2, help=argparse.SUPPRESS)
-    parser.add_argument("--batch", type=int, default=16, help=argparse.SUPPRESS)
-    parser.add_argument("--length", type=int, default=128, help=argparse.SUPPRESS)
-    parser.add_argument("--lr", type=float, default=3e-3, help=argparse.SUPPRESS)
+    add = parser.add_argument
+    add("--steps", type=int, default=150, help="training steps (default 150)")
+    add("--device", default=None, help="cpu, cuda, ... (default: cuda when present, else cpu)")
+    add("--layer", choices=sorted(LAYERS), default="gdn", help="token mixer (default gdn)")
+    add("--no-compile", action="store_true", help="train eagerly instead of torch.compile")
+    add("--compile-backend", default="inductor",
+        help="torch.compile backend (default inductor; aot_eager skips code generation)")
+    add("--seed", type=int, default=0, help="seed of the weights, batches and sampling")
+    add("--threads", type=int, default=1,
+        help="CPU threads (default 1: this model is too small to gain much from more, and "
+             "spinning threads slow it down many times over on a busy machine)")
+    add("--dim", type=int, default=64, help="model width (default 64)")
+    add("--depth", type=int, default=2, help="blocks (default 2)")
+    add("--batch", type=int, default=16, help="sequences per step (default 16)")
+    add("--length", type=int, default=128, help=f"characters per sequence, > {DECODED} (default 128)")
+    add("--lr", type=float, default=3e-3, help="AdamW learning rate (default 3e-3)")

@@ -1,0 +1,63 @@
+"""The command line: ``kdn-compile demo`` end to end (tiny) and ``kdn-compile check``."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import torch
+
+import kdn_compile
+from kdn_compile import check, demo
+from kdn_compile.__main__ import main
+
+
+def test_corpus_is_deterministic_python_source():
+    text = demo.load_corpus(50_000)
+    assert len(text) == 50_000 and text == demo.load_corpus(50_000)
+    assert "def " in text and "import " in text
+    ids = demo.encode(text)
+    assert ids.max() < len(demo.VOCAB) and demo.decode(ids[:200].tolist()) == text[:200]
+
+
+def test_demo_end_to_end():
+    # the default path (torch.compile with Inductor) at a tiny size, in a fresh process
+    result = subprocess.run(
+        [sys.executable, "-m", "kdn_compile", "demo", "--steps", "3", "--batch", "2",
+         "--length", "32", "--dim", "32", "--device", "cpu"],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = result.stdout
+    assert "graph breaks: 0 " in out and "recompiles: 0" in out, out
+    losses = re.search(r"held-out batch: ([\d.]+) before, ([\d.]+) after", out)
+    assert losses and float(losses[2]) < float(losses[1]), out
+    assert re.search(r"prefill 24 \+ decode 8 tokens vs one pass: .*\(ok\)", out), out
+    assert re.search(r"torch\.export .*kdn\.chunk_gdn.*\(ok\)", out), out
+    sample = out.split("200 characters sampled after 'def __init__(self':\n")[1]
+    assert len(sample.rstrip("\n")) >= len("def __init__(self") + 150, out  # rstrip: trailing newlines
+
+
+def test_demo_other_layers_eager_in_process(capsys):
+    for layer, op in (("kda", "kdn.chunk_kda"), ("kdn", "kdn.diag_kdn")):
+        main(["demo", "--layer", layer, "--steps", "2", "--batch", "2", "--length", "16",
+              "--dim", "16", "--no-compile", "--device", "cpu"])
+        out = capsys.readouterr().out
+        assert "MISMATCH" not in out and out.count("(ok)") == 2, out
+        assert f"ops: {op}" in out, out
+
+
+def test_check_reports_every_op(capsys):
+    assert main(["check", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    for name in check.CASES:
+        row = next(line for line in out.splitlines() if line.startswith(name + " "))
+        assert "FAIL" not in row and row.count("ok") == 4, row
+
+
+def test_check_flags_a_wrong_op(monkeypatch):
+    broken = lambda **x: tuple(t + 1e-2 for t in kdn_compile.chunk_gdn(**x))  # noqa: E731
+    monkeypatch.setitem(check.CASES, "chunk_gdn", (broken, *check.CASES["chunk_gdn"][1:]))
+    row = check.check_op("chunk_gdn", torch.device("cpu"))
+    assert row["vs_reference"].startswith("FAIL") and row["failures"], row
