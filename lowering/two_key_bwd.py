@@ -329,8 +329,9 @@ def two_key_bwd(
         bounds, chunk_first, s_k, s_v, scale,
         Hv=hv, K=key_dim, V=value_dim, BT=BT, BV=state_v,
         HAS_DHT=dht is not None,
-        # fp32 tiles with two stages need 311 KB of shared memory (ptxas, sm_90).
-        num_warps=4, num_stages=2 if dt != torch.float32 else 1,
+        # Two stages need 311 KB of shared memory for fp32 tiles and 252 KB for bf16
+        # at K = V = 256 (sm_90 has 227 KB): one stage there.
+        num_warps=4, num_stages=2 if dt != torch.float32 and key_dim <= 128 else 1,
     )
     dascr = q.new_empty((tokens, hv, BT), dtype=torch.float32)
     drscr = q.new_empty((tokens, hv, BT), dtype=torch.float32)
