@@ -111,6 +111,8 @@ CPU_CASES = [
     pytest.param(2, 65, 1, 2, 32, 16, None, True, True, id="T65-grouped-vfirst"),
     pytest.param(1, 100, 2, 2, 16, 16, [0, 1, 37, 100], True, False, id="varlen-3"),
     pytest.param(1, 100, 1, 2, 16, 16, [0, 0, 64, 100], True, True, id="varlen-empty-grouped"),
+    pytest.param(1, 120, 1, 1, 16, 16, [0, 1, 2, 5, 9, 14, 20, 27, 35, 44, 54, 65, 77, 90, 104, 119,
+                                         120], True, False, id="varlen-16-short"),
 ]
 
 
