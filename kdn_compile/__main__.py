@@ -1,4 +1,4 @@
-"""Command line: ``kdn-compile demo`` (train and report) and ``kdn-compile check`` (capture report)."""
+"""Command line: ``kdn-compile demo`` (train, then report) and ``kdn-compile check``."""
 
 from __future__ import annotations
 

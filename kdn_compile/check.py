@@ -158,7 +158,8 @@ def check_op(name: str, device: torch.device) -> dict:
     def exported():
         axis = 0 if name == "state_fp8_qdq" else 1  # the axis that grows with T
         dims = {
-            n: {axis: torch.export.Dim.AUTO} if t.dim() >= 3 and t.shape[axis] == LENGTHS[0] else None
+            n: ({axis: torch.export.Dim.AUTO}
+                if t.dim() >= 3 and t.shape[axis] == LENGTHS[0] else None)
             for n, t in first.items()
         }
         program = torch.export.export(_Call(public), (first,), dynamic_shapes=(dims,))
@@ -183,7 +184,8 @@ def run(args: argparse.Namespace) -> int:
     except ImportError:
         triton_version = "absent"
     print(f"kdn-compile check on {device}: torch {torch.__version__}, triton {triton_version}, "
-          f"backend {kdn_compile.get_backend()!r}, float32 inputs, T = {LENGTHS[0]} then {LENGTHS[1]}")
+          f"backend {kdn_compile.get_backend()!r}, float32 inputs, "
+          f"T = {LENGTHS[0]} then {LENGTHS[1]}")
     columns = ("op", "runs", "opcheck", "compile", "export", "vs_reference")
     rows = [check_op(name, device) for name in CASES]
     widths = [max(len(c), *(len(str(r[c])) for r in rows)) for c in columns]

@@ -30,7 +30,7 @@ DECODE_TOLERANCE = 1e-4  # chunked vs token-by-token float32 rounding is ~1e-6 h
 
 
 def load_corpus(max_chars: int = 300_000) -> str:
-    """Public top-level ``.py`` files of the standard library, in sorted order, up to ``max_chars``."""
+    """The standard library's public top-level ``.py`` files, sorted, up to ``max_chars``."""
     folder = os.path.dirname(os.__file__)
     parts, total = [], 0
     for path in sorted(glob.glob(os.path.join(folder, "*.py"))):
@@ -231,7 +231,9 @@ def _run(args: argparse.Namespace, device: torch.device) -> dict:
     generator = torch.Generator().manual_seed(args.seed)
     eval_ids, eval_targets = _batch(held_out, args.batch, args.length, generator, device)
     compiled = not args.no_compile
-    mode = f"torch.compile(fullgraph=True, backend={args.compile_backend!r})" if compiled else "eager"
+    mode = (
+        f"torch.compile(fullgraph=True, backend={args.compile_backend!r})" if compiled else "eager"
+    )
     print(
         f"kdn-compile demo: {args.layer} x {args.depth} blocks, dim {args.dim}, "
         f"{sum(p.numel() for p in model.parameters()):,} parameters; {len(data):,} chars of "
@@ -244,7 +246,9 @@ def _run(args: argparse.Namespace, device: torch.device) -> dict:
 
     torch._dynamo.reset()
     breaks, graphs = _dynamo_counts()
-    loss_fn = torch.compile(_loss, fullgraph=True, backend=args.compile_backend) if compiled else _loss
+    loss_fn = (
+        torch.compile(_loss, fullgraph=True, backend=args.compile_backend) if compiled else _loss
+    )
     first_step = train(model, loss_fn, train_ids, args, generator, device)
     with torch.no_grad():
         report["loss_after"] = _loss(model, eval_ids, eval_targets).item()
@@ -284,7 +288,8 @@ def _print_report(r: dict) -> None:
     else:
         print(f"step (fwd+bwd): eager {1e3 * r['eager_step_s']:.1f} ms (--no-compile)")
     d = r["decode_max_diff"]
-    print(f"prefill {r['prefill']} + decode {r['decoded']} tokens vs one pass: max |logit diff| {d:.1e} "
+    print(f"prefill {r['prefill']} + decode {r['decoded']} tokens vs one pass: "
+          f"max |logit diff| {d:.1e} "
           f"({ok(d < DECODE_TOLERANCE)})")
     e = r["export_max_diff"]
     ops = ", ".join(op.replace(".default", "") for op in r["export_ops"])
@@ -309,5 +314,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--dim", type=int, default=64, help="model width (default 64)")
     add("--depth", type=int, default=2, help="blocks (default 2)")
     add("--batch", type=int, default=16, help="sequences per step (default 16)")
-    add("--length", type=int, default=128, help=f"characters per sequence, > {DECODED} (default 128)")
+    add("--length", type=int, default=128,
+        help=f"characters per sequence, > {DECODED} (default 128)")
     add("--lr", type=float, default=3e-3, help="AdamW learning rate (default 3e-3)")

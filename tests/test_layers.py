@@ -126,6 +126,24 @@ def test_compile_fullgraph_dynamic(name):
     _compile_over_lengths(name, "aot_eager")
 
 
+@pytest.mark.parametrize("name", ["gdn", "kdn"])
+def test_compile_packed_prefill_and_continuation(name):
+    # cu_seqlens (conv gathers built on the device) and a carried state, over three lengths
+    torch._dynamo.reset()
+    layer = make_layer(name, torch.float32)
+    compiled = torch.compile(layer, backend="aot_eager", fullgraph=True, dynamic=True)
+    for i, T in enumerate((17, 33, 50)):
+        cu, x = torch.tensor([0, 3, T // 2, T]), inputs(1, T, torch.float32, seed=T)
+        y1, s1 = layer(x, cu_seqlens=cu)
+        y2, s2 = layer(x, s1, cu_seqlens=cu)
+        with torch.compiler.set_stance("fail_on_recompile" if i else "default"):
+            c1, t1 = compiled(x, cu_seqlens=cu)
+            c2, t2 = compiled(x, t1, cu_seqlens=cu)
+        assert_close(c1, y1, 1e-6, f"{name} packed prefill T={T}")
+        assert_close(c2, y2, 1e-6, f"{name} packed continuation T={T}")
+        assert_states_close(t2, s2, 1e-6, f"{name} packed T={T}")
+
+
 def test_compile_fullgraph_dynamic_inductor():
     _compile_over_lengths("gdn", "inductor")
 

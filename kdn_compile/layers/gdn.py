@@ -53,7 +53,7 @@ class GatedDeltaNet(nn.Module):
         ValueError: ``num_v_heads`` not a multiple of ``num_heads``.
     """
 
-    gate_per_key = False
+    gate_per_key = False  # KimiDeltaAttention: one decay per key channel
 
     def __init__(
         self,
@@ -98,11 +98,12 @@ class GatedDeltaNet(nn.Module):
 
     def mix(self, q, k, v, g, beta, initial_state, cu_seqlens):
         """The sequence mixing: ``(o [B, T, Hv, V], final_state [N, Hv, K, V])``."""
-        if q.shape[1] == 1:
+        if q.shape[1] == 1:  # one decode token: the token recurrence (exact either way)
             return kdn_compile.recurrent_delta_rule(
                 q, k, v, g, beta, initial_state=initial_state, cu_seqlens=cu_seqlens
             )
-        return kdn_compile.chunk_gdn(
+        chunked = kdn_compile.chunk_kda if self.gate_per_key else kdn_compile.chunk_gdn
+        return chunked(
             q, k, v, g, beta, chunk_size=self.chunk_size,
             initial_state=initial_state, cu_seqlens=cu_seqlens,
         )

@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-import kdn_compile
 from kdn_compile.layers._common import heads, work
 from kdn_compile.layers.gdn import GatedDeltaNet
 
@@ -27,15 +26,6 @@ class KimiDeltaAttention(GatedDeltaNet):
 
     def decay(self, x: torch.Tensor) -> torch.Tensor:
         """Log decay ``g [B, T, Hv, K]``."""
-        raw = heads(work(self.a_proj(x)), self.num_v_heads) + self.dt_bias.view(self.num_v_heads, -1)
+        raw = heads(work(self.a_proj(x)), self.num_v_heads)
+        raw = raw + self.dt_bias.view(self.num_v_heads, -1)
         return -self.A_log.exp()[:, None] * F.softplus(raw)
-
-    def mix(self, q, k, v, g, beta, initial_state, cu_seqlens):
-        if q.shape[1] == 1:
-            return kdn_compile.recurrent_delta_rule(
-                q, k, v, g, beta, initial_state=initial_state, cu_seqlens=cu_seqlens
-            )
-        return kdn_compile.chunk_kda(
-            q, k, v, g, beta, chunk_size=self.chunk_size,
-            initial_state=initial_state, cu_seqlens=cu_seqlens,
-        )

@@ -6,8 +6,20 @@ import torch
 from torch import nn
 
 import kdn_compile
-from kdn_compile.layers._common import GatedRMSNorm, ShortConv, decay_rate_log, heads, time_step_bias, work
-from kdn_compile.reference import initial_precision_logit, initial_state, kalman_noise, normalize_query_key
+from kdn_compile.layers._common import (
+    GatedRMSNorm,
+    ShortConv,
+    decay_rate_log,
+    heads,
+    time_step_bias,
+    work,
+)
+from kdn_compile.reference import (
+    initial_precision_logit,
+    initial_state,
+    kalman_noise,
+    normalize_query_key,
+)
 
 
 class DiagKDN(nn.Module):
@@ -67,7 +79,9 @@ class DiagKDN(nn.Module):
         self.r_proj = nn.Linear(hidden_size, num_heads, bias=False)
         self.A_log = nn.Parameter(decay_rate_log(num_heads))
         self.dt_bias = nn.Parameter(time_step_bias(key_width))
-        self.initial_precision_param = nn.Parameter(torch.full((num_heads,), initial_precision_logit()))
+        self.initial_precision_param = nn.Parameter(
+            torch.full((num_heads,), initial_precision_logit())
+        )
         self.gate_proj = nn.Linear(hidden_size, value_width, bias=False)
         self.norm = GatedRMSNorm(head_v_dim, norm_eps)
         self.o_proj = nn.Linear(value_width, hidden_size, bias=False)
