@@ -6,14 +6,8 @@ import torch
 from torch import nn
 
 import kdn_compile
-from kdn_compile.layers._common import (
-    GatedRMSNorm,
-    ShortConv,
-    decay_rate_log,
-    heads,
-    time_step_bias,
-    work,
-)
+from kdn_compile.layers._common import GatedRMSNorm, ShortConv, heads, work
+from kdn_compile.layers._common import decay_rate_log, time_step_bias
 from kdn_compile.reference import (
     initial_precision_logit,
     initial_state,
