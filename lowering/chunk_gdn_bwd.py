@@ -260,6 +260,8 @@ def chunk_gdn_bwd(q, k, v, g, beta, initial_state, cu_seqlens, do, dht, *,
     dk = k.new_empty((batch, length, hv, dk_), dtype=grad_dtype)
     dg = torch.empty((2,) + tuple(g.shape), dtype=torch.float32, device=g.device)
     dbeta = torch.empty(beta.shape, dtype=beta.dtype, device=beta.device)
+    # BV 16, 4 warps: ptxas (bf16, K = V = 128) spills 152 B a thread; BV 32 or 8 warps
+    # spill 400-750 B (8 warps replicate the 64-row products across warpgroups).
     wrap_triton(_chunk_gdn_bwd_grad_kernel)[(bound, hv, 2)](
         q, k, v, gc, beta, ai, aqk, hs, dhs, do, dv, dq, dk, dg[0], dg[1], dbeta, cu_seqlens,
         offsets, scale, length, n,
