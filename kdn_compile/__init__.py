@@ -5,6 +5,7 @@ Public functions (:mod:`kdn_compile.api`) call ops declared with ``torch.library
 in the ``kdn`` namespace; :mod:`kdn_compile.reference` holds the exact oracles.
 """
 
+import kdn_compile._checkout  # noqa: F401,I001  (must precede the imports below)
 from kdn_compile._backend import BACKENDS, get_backend, set_backend, use_backend
 from kdn_compile.api import chunk_gdn, chunk_kda, diag_kdn, recurrent_delta_rule, state_fp8_qdq
 
