@@ -50,9 +50,34 @@ def test_shapes_and_state(name):
     assert all(s.dtype == torch.float32 for k, s in state.items() if k != "conv")
 
 
+@pytest.mark.parametrize("name", sorted(LAYERS))
+def test_bfloat16_output_with_float32_state(name):
+    layer = make_layer(name, torch.bfloat16)
+    x = inputs(2, 11, torch.bfloat16).requires_grad_()
+    y, state = layer(x)
+    y.float().square().sum().backward()
+    assert y.dtype == torch.bfloat16 and state["conv"].dtype == torch.bfloat16
+    assert all(s.dtype == torch.float32 for k, s in state.items() if k != "conv")
+    assert torch.isfinite(x.grad).all() and x.grad.abs().sum() > 0
+
+
 def test_grouped_value_heads_must_divide():
     with pytest.raises(ValueError, match="num_v_heads"):
         GatedDeltaNet(D, 3, 8, num_v_heads=4)
+
+
+def test_kda_with_one_decay_per_head_is_gdn():
+    # KDA's per-key gate, made equal across each head's K channels, is GDN's scalar gate
+    gdn, kda = make_layer("gdn"), KimiDeltaAttention(D, 2, 8, num_v_heads=4, head_v_dim=6,
+                                                    chunk_size=8).double()
+    weights = gdn.state_dict()
+    weights["a_proj.weight"] = weights["a_proj.weight"].repeat_interleave(8, dim=0)
+    weights["dt_bias"] = weights["dt_bias"].repeat_interleave(8)
+    kda.load_state_dict(weights)
+    x = inputs(2, 19)
+    (y_gdn, s_gdn), (y_kda, s_kda) = gdn(x), kda(x)
+    assert_close(y_kda, y_gdn, 1e-12, "KDA with per-head decay vs GDN")
+    assert_states_close(s_kda, s_gdn, 1e-12, "KDA vs GDN")
 
 
 @pytest.mark.parametrize("name", sorted(LAYERS))
