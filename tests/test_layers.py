@@ -206,3 +206,17 @@ class TestExport(expecttest.TestCase):
     def test_export_kdn(self):
         ops = self._export_round_trip("kdn")
         self.assertExpectedInline(str(ops), """['kdn.diag_kdn_reference.default']""")
+
+    def test_export_packed_sequences(self):
+        # dynamic T and dynamic number of sequences (cu_seqlens has N + 1 >= 3 entries)
+        layer = make_layer("gdn", torch.float32)
+        shapes = {"x": {1: torch.export.Dim("T", min=2, max=1024)},
+                  "cu_seqlens": {0: torch.export.Dim("N1", min=3, max=64)}}
+        with kdn_compile.use_backend("reference"):
+            example = (inputs(1, 40, torch.float32),), {"cu_seqlens": torch.tensor([0, 7, 40])}
+            program = torch.export.export(layer, *example, dynamic_shapes=shapes)
+            x, cu = inputs(1, 77, torch.float32, seed=5), torch.tensor([0, 5, 6, 30, 77])
+            want, want_state = layer(x, cu_seqlens=cu)
+        got, got_state = program.module()(x, cu_seqlens=cu)
+        assert_close(got, want, 1e-6, "exported packed gdn")
+        assert_states_close(got_state, want_state, 1e-6, "exported packed gdn")
