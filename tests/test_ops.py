@@ -228,3 +228,20 @@ def test_backend_switch_guards_and_validates():
     assert kdn_compile.get_backend() == "auto"
     with pytest.raises(ValueError, match="backend must be one of"):
         kdn_compile.set_backend("cuda")
+
+
+def test_compile_with_permuted_inputs_matches_eager():
+    """Fakes promise contiguous outputs whatever the input strides (a transposed v)."""
+    def fn(q, k, vt, g, beta):
+        v = vt.transpose(1, 2)  # [B, H, T, V] -> [B, T, H, V], not contiguous
+        o1, _ = kdn_compile.chunk_gdn(q, k, v, g, beta, chunk_size=8)
+        o2, _ = kdn_compile.recurrent_delta_rule(q, k, v, g, beta)
+        return o1 + 1.0, o2 * 2.0
+
+    x = delta_inputs(T=13, Hk=2, Hv=2, K=4, V=4, with_state=False)
+    vt = x["v"].transpose(1, 2).contiguous()
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, fullgraph=True, dynamic=True)
+    for a, b in zip(compiled(x["q"], x["k"], vt, x["g"], x["beta"]),
+                    fn(x["q"], x["k"], vt, x["g"], x["beta"])):
+        assert_close(a, b, 1e-12, "permuted v")

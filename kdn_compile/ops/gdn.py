@@ -48,7 +48,7 @@ def _chunk_gdn_reference(
 def _chunk_gdn_fake(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size, scale,
                     state_v_first, state_qdq, state_qdq_block_v):
     state = empty_state(q, cu_seqlens, v.shape[2], k.shape[3], v.shape[3], state_v_first)
-    return torch.empty_like(v), state
+    return v.new_empty(v.shape), state
 
 
 CHUNK_GDN = FamilyOps(

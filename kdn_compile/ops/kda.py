@@ -42,7 +42,7 @@ def _chunk_kda_reference(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size
 def _chunk_kda_fake(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size, scale,
                     state_v_first):
     state = empty_state(q, cu_seqlens, v.shape[2], k.shape[3], v.shape[3], state_v_first)
-    return torch.empty_like(v), state
+    return v.new_empty(v.shape), state
 
 
 CHUNK_KDA = FamilyOps(

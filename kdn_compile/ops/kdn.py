@@ -47,7 +47,7 @@ def _diag_kdn_fake(q, k, v, log_alpha, omega, r, memory, precision, cu_seqlens, 
                    info_scale, chunk_size):
     dtype = work_dtype(q.dtype)
     return (
-        torch.empty_like(v),
+        v.new_empty(v.shape),
         memory.new_empty(memory.shape, dtype=dtype),
         precision.new_empty(precision.shape, dtype=dtype),
     )

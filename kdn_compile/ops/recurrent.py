@@ -32,7 +32,7 @@ def _reference(q, k, v, g, beta, initial_state, cu_seqlens, scale, state_v_first
 
 def _fake(q, k, v, g, beta, initial_state, cu_seqlens, scale, state_v_first):
     state = empty_state(q, cu_seqlens, v.shape[2], k.shape[3], v.shape[3], state_v_first)
-    return torch.empty_like(v), state
+    return v.new_empty(v.shape), state
 
 
 RECURRENT_DELTA_RULE = FamilyOps(
