@@ -6,10 +6,11 @@
 #   ./dev.sh docs             build the Sphinx docs with warnings as errors
 #   ./dev.sh check            capture report of every op on this device
 #
-# Set-up: a virtual environment in .venv that also sees the system's packages
-# (so a machine that already has torch >= 2.11, such as a CUDA box, keeps it);
-# otherwise the pinned CPU build torch==2.13.0 (an unpinned torch pulls a
-# multi-GB CUDA build) and triton==3.9.0, then this package, editable.
+# Set-up: a virtual environment in .venv. Where the system Python already has
+# torch >= 2.11 (a CUDA box, say) the environment sees the system's packages and
+# keeps that torch; otherwise it is isolated and gets the pinned CPU build
+# torch==2.13.0 (an unpinned torch pulls a multi-GB CUDA build) and
+# triton==3.9.0. Then the test and docs tools, and this package, editable.
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -18,13 +19,18 @@ TRITON_PIN="triton==3.9.0"
 EXTRA_PINS=("pytest==9.2.0" "expecttest==0.3.0" "sphinx==9.0.4" "tqdm==4.70.1" "numpy")
 
 setup() {
+    local torch_ok='import sys, torch; sys.exit(tuple(map(int, torch.__version__.split("+")[0].split(".")[:2])) < (2, 11))'
     if [ ! -x .venv/bin/python ]; then
-        "${PYTHON:-python3}" -m venv --system-site-packages .venv
+        if "${PYTHON:-python3}" -c "$torch_ok" 2>/dev/null; then
+            "${PYTHON:-python3}" -m venv --system-site-packages .venv
+        else
+            "${PYTHON:-python3}" -m venv .venv
+        fi
     fi
     # shellcheck disable=SC1091
     . .venv/bin/activate
     local pip=(python -m pip install -q --disable-pip-version-check)
-    if ! python -c 'import sys, torch; sys.exit(tuple(map(int, torch.__version__.split("+")[0].split(".")[:2])) < (2, 11))' 2>/dev/null; then
+    if ! python -c "$torch_ok" 2>/dev/null; then
         "${pip[@]}" "$TORCH_PIN"
     fi
     if [ "$(uname -s)" = Linux ] && ! python -c 'import triton' 2>/dev/null; then
@@ -36,7 +42,9 @@ setup() {
             "${pip[@]}" "$pin" || echo "dev.sh: could not install $pin (offline?); continuing" >&2
         fi
     done
-    if ! python -c 'import kdn_compile.lowering' 2>/dev/null; then
+    # The console script is the mark of the editable install (importing from the
+    # checkout would succeed without it).
+    if [ ! -x .venv/bin/kdn-compile ]; then
         "${pip[@]}" --no-deps --no-build-isolation -e .
     fi
 }
