@@ -248,12 +248,15 @@ def test_chunk_kda_op_kernel_path_matches_reference():
     dev = {n: t.to(device, dtype if n != "initial_state" else torch.float32).requires_grad_()
            for n, t in x.items()}
     assert _kda_kernels(dev["q"], dev["v"], 64)
-    o, s = kdn_compile.chunk_kda(**dev, chunk_size=64)
+    with kdn_compile.use_backend("triton"):
+        o, s = kdn_compile.chunk_kda(**dev, chunk_size=64)
     assert_close(o, o_ref, tol, "o")
     assert_close(s, s_ref, tol, "final_state")
-    grads = torch.autograd.grad(
-        (o.double() * do.to(device)).sum() + (s.double() * dht.to(device)).sum(), list(dev.values())
-    )
+    with kdn_compile.use_backend("triton"):
+        grads = torch.autograd.grad(
+            (o.double() * do.to(device)).sum() + (s.double() * dht.to(device)).sum(),
+            list(dev.values()),
+        )
     for name, got, want in zip(x, grads, ref_grads):
         assert got.dtype == dev[name].dtype
         assert_close(got, want.to(device), tol, f"d{name}")
@@ -295,3 +298,30 @@ def test_diag_kdn_op_memory_kernels_match_reference(varlen, monkeypatch):
         assert_close(a, b, tol, name)
     for name in x:
         assert_close(ours[name].grad, theirs[name].grad, tol, f"grad {name}")
+
+
+def test_chunk_kda_op_floors_gates_below_the_kernel_bound():
+    """Gates far below ``LOG_DECAY_BOUND`` (e.g. -60, a KDA layer at the top of its
+    init range) give finite results equal to the reference's, with zero ``dg`` there."""
+    import kdn_compile
+    from kdn_compile.reference import chunk_kda_reference
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator().manual_seed(5)
+    B, T, H, K = 1, 40, 1, 16
+    x = {
+        "q": F.normalize(torch.randn(B, T, H, K, generator=gen, dtype=torch.float64), dim=-1),
+        "k": F.normalize(torch.randn(B, T, H, K, generator=gen, dtype=torch.float64), dim=-1),
+        "v": torch.randn(B, T, H, K, generator=gen, dtype=torch.float64),
+        "g": -60.0 * torch.rand(B, T, H, K, generator=gen, dtype=torch.float64),
+        "beta": torch.rand(B, T, H, generator=gen, dtype=torch.float64),
+    }
+    o_ref, s_ref = chunk_kda_reference(**x, chunk_size=64)
+    dev = {n: t.to(device, torch.float32).requires_grad_() for n, t in x.items()}
+    with kdn_compile.use_backend("triton"):
+        o, s = kdn_compile.chunk_kda(**dev, chunk_size=64)
+        (dg,) = torch.autograd.grad(o.sum() + s.sum(), [dev["g"]])
+    assert torch.isfinite(o).all() and torch.isfinite(s).all() and torch.isfinite(dg).all()
+    assert_close(o, o_ref.to(device), 1e-4, "o with deep gates")
+    assert_close(s, s_ref.to(device), 1e-4, "state with deep gates")
+    assert (dg[dev["g"] < LOG_DECAY_BOUND] == 0).all()

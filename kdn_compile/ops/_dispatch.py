@@ -22,13 +22,16 @@ def can_launch(x: torch.Tensor) -> bool:
     """True when Triton kernels can run on ``x``'s device in this context.
 
     On CUDA always (fake tensors included: ``wrap_triton`` traces them). On the
-    CPU only eagerly under ``TRITON_INTERPRET=1``: interpreted kernels cannot be
-    traced with fake tensors, so tracing on the CPU takes the reference.
+    CPU only eagerly under ``TRITON_INTERPRET=1`` and not for bfloat16:
+    interpreted kernels cannot be traced with fake tensors, so tracing on the
+    CPU takes the reference.
     """
     if x.device.type == "cuda":
         return True
     return (
         x.device.type == "cpu"
         and os.environ.get("TRITON_INTERPRET") == "1"
+        # The interpreter's bfloat16 tl.dot is wrong (triton 3.9): bf16 stays on the reference.
+        and x.dtype != torch.bfloat16
         and not _tracing(x)
     )

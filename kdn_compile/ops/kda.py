@@ -17,7 +17,7 @@ from torch import Tensor
 
 from kdn_compile import reference as ref
 from kdn_compile.lowering.two_key_bwd import two_key_bwd
-from kdn_compile.lowering.two_key_common import two_key_kernel_supports
+from kdn_compile.lowering.two_key_common import LOG_DECAY_BOUND, two_key_kernel_supports
 from kdn_compile.lowering.two_key_fwd import two_key_fwd
 from kdn_compile.ops._dispatch import can_launch
 from kdn_compile.ops._registry import FamilyOps
@@ -62,6 +62,18 @@ def _kda_kernels(q, v, chunk_size) -> bool:
     return can_launch(q) and two_key_kernel_supports(q, v, chunk_size=chunk_size)
 
 
+def _kernel_gate(g: Tensor) -> Tensor:
+    """``g`` floored at the kernels' bound ``LOG_DECAY_BOUND = -20`` per token.
+
+    The per-key kernels factor decays inside 8-token halves of a sub-block and
+    overflow float32 below about -22 per token. A token decaying by ``e^-20``
+    instead of less keeps at most ``2e-9`` of the state it should erase, below
+    float32 resolution, so the floor changes no result that float32 can show;
+    its gradient is zero where it applies (the true one is below ``2e-9``).
+    """
+    return g.clamp_min(LOG_DECAY_BOUND)
+
+
 def _write_key(k: Tensor, beta: Tensor) -> Tensor:
     """``w = beta k`` per value head, ``[B, T, Hv, K]`` (grouped without repeating k)."""
     b, t, hk, key_dim = k.shape
@@ -79,7 +91,7 @@ def chunk_kda_op(
     """Chunked KDA; launches Triton where it can, else the reference op."""
     if _kda_kernels(q, v, chunk_size):
         o, final_state, *_ = two_key_fwd(
-            q, k, _write_key(k, beta), v, g, initial_state, cu_seqlens,
+            q, k, _write_key(k, beta), v, _kernel_gate(g), initial_state, cu_seqlens,
             chunk_size=chunk_size, scale=scale, state_v_first=state_v_first,
         )
         return o, final_state
@@ -102,15 +114,16 @@ def chunk_kda_bwd_op(
     ``grad_state`` may be None (zero); ``dh0`` is an empty tensor when
     ``initial_state`` is None.
     """
-    w = _write_key(k, beta)
+    w, gate = _write_key(k, beta), _kernel_gate(g)
     _, _, *saved = two_key_fwd(
-        q, k, w, v, g, initial_state, cu_seqlens,
+        q, k, w, v, gate, initial_state, cu_seqlens,
         chunk_size=chunk_size, scale=scale, state_v_first=state_v_first,
     )
     dq, dk, dw, dv, dg, dh0 = two_key_bwd(
-        q, k, w, v, g, initial_state, cu_seqlens, *saved, grad_o, grad_state,
+        q, k, w, v, gate, initial_state, cu_seqlens, *saved, grad_o, grad_state,
         chunk_size=chunk_size, scale=scale, state_v_first=state_v_first,
     )
+    dg = torch.where(g >= LOG_DECAY_BOUND, dg, 0.0)
     b, t, hk, key_dim = k.shape
     group = beta.shape[2] // hk
     dw = dw.float().view(b, t, hk, group, key_dim)
