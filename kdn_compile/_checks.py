@@ -52,7 +52,31 @@ def check_chunk_size(chunk_size) -> None:
         raise ValueError(f"chunk_size must be a positive finite int, got {chunk_size}")
 
 
-def check_cu_seqlens(cu_seqlens, batch: int, device: torch.device) -> None:
+def _tracing() -> bool:
+    return torch.compiler.is_compiling() or torch._guards.detect_fake_mode() is not None
+
+
+def check_cu_seqlens_values(cu_seqlens: torch.Tensor, length) -> None:
+    """Boundaries must start at 0, never decrease and end at ``T``.
+
+    CPU tensors in eager mode are read and raise ``ValueError`` with the values.
+    Elsewhere (CUDA, or while tracing) a device-side assert checks the same without
+    a host sync: it fails the next synchronizing call with this message.
+    """
+    if cu_seqlens.device.type == "cpu" and not _tracing():
+        bounds = cu_seqlens.tolist()
+        steps_ok = all(a <= b for a, b in zip(bounds, bounds[1:]))
+        if bounds[0] != 0 or bounds[-1] != length or not steps_ok:
+            raise ValueError(
+                f"cu_seqlens must start at 0, never decrease and end at T = {length}, "
+                f"got {bounds if len(bounds) <= 12 else bounds[:6] + ['...'] + bounds[-3:]}"
+            )
+        return
+    valid = (cu_seqlens[0] == 0) & (cu_seqlens[-1] == length) & (cu_seqlens.diff() >= 0).all()
+    torch._assert_async(valid, "cu_seqlens must start at 0, never decrease and end at T")
+
+
+def check_cu_seqlens(cu_seqlens, batch: int, device: torch.device, length) -> None:
     if cu_seqlens is None:
         return
     if not isinstance(cu_seqlens, torch.Tensor):
@@ -65,6 +89,8 @@ def check_cu_seqlens(cu_seqlens, batch: int, device: torch.device) -> None:
         raise ValueError(f"with cu_seqlens the batch size must be 1, got B = {batch}")
     if cu_seqlens.device != device:
         raise ValueError(f"cu_seqlens is on {cu_seqlens.device} but q is on {device}")
+    if device.type != "meta":
+        check_cu_seqlens_values(cu_seqlens, length)
 
 
 def check_state(name: str, state, expected: tuple) -> None:
@@ -96,6 +122,8 @@ def check_delta_inputs(
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     b, t, hk, dk = q.shape
+    if hk < 1 or dk < 1:
+        raise ValueError(f"q must have at least one head and K >= 1, got shape {_shape(q)}")
     if _shape(k) != _shape(q):
         raise ValueError(f"k must have q's shape {_shape(q)} = [B, T, Hk, K], got {_shape(k)}")
     if v.shape[0] != b or v.shape[1] != t:
@@ -115,7 +143,7 @@ def check_delta_inputs(
         raise ValueError(f"beta must have shape {scalar} = [B, T, Hv], got {_shape(beta)}")
     if chunk_size is not None:
         check_chunk_size(chunk_size)
-    check_cu_seqlens(cu_seqlens, b, q.device)
+    check_cu_seqlens(cu_seqlens, b, q.device, t)
     n = num_sequences(b, cu_seqlens)
     state = (n, hv, dv, dk) if state_v_first else (n, hv, dk, dv)
     check_state("initial_state", initial_state, state)
@@ -134,7 +162,11 @@ def check_kdn_inputs(
         q=q, k=k, v=v, log_alpha=log_alpha, omega=omega, r=r, memory=memory,
         precision=precision,
     )
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     b, t, h, dk = q.shape
+    if h < 1 or dk < 1:
+        raise ValueError(f"q must have at least one head and K >= 1, got shape {_shape(q)}")
     for name, x in (("k", k), ("log_alpha", log_alpha), ("omega", omega)):
         if _shape(x) != _shape(q):
             raise ValueError(f"{name} must have q's shape {_shape(q)} = [B, T, H, K], got {_shape(x)}")
@@ -144,7 +176,19 @@ def check_kdn_inputs(
         raise ValueError(f"r must have shape {(b, t, h)} = [B, T, H], got {_shape(r)}")
     if chunk_size is not None:
         check_chunk_size(chunk_size)
-    check_cu_seqlens(cu_seqlens, b, q.device)
+    check_cu_seqlens(cu_seqlens, b, q.device, t)
     n = num_sequences(b, cu_seqlens)
     check_state("memory", memory, (n, h, dk, v.shape[3]))
     check_state("precision", precision, (n, h, dk))
+
+
+def check_flag(name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+
+
+def check_float(name: str, value) -> float:
+    """A Python real number as float (not bool, not a tensor)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a float, got {type(value).__name__}")
+    return float(value)

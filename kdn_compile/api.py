@@ -15,7 +15,13 @@ import torch
 
 import kdn_compile.ops  # noqa: F401  (registers torch.ops.kdn)
 from kdn_compile._backend import prefer_kernels
-from kdn_compile._checks import check_delta_inputs, check_kdn_inputs, check_tensor
+from kdn_compile._checks import (
+    check_delta_inputs,
+    check_flag,
+    check_float,
+    check_kdn_inputs,
+    check_tensor,
+)
 from kdn_compile.reference.kdn import DEFAULT_CHUNK_SIZE
 
 __all__ = ["chunk_gdn", "chunk_kda", "recurrent_delta_rule", "diag_kdn", "state_fp8_qdq"]
@@ -29,6 +35,23 @@ def _scale(scale, q: torch.Tensor) -> float:
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):
         raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
     return float(scale)
+
+
+def _contiguous(cu_seqlens: torch.Tensor | None) -> torch.Tensor | None:
+    """Kernels index ``cu_seqlens`` as a dense vector."""
+    return None if cu_seqlens is None else cu_seqlens.contiguous()
+
+
+def _check_w(w, expected: torch.Tensor) -> None:
+    """``w_quantizer`` must hand back a float tensor of ``W``'s shape and device."""
+    if not isinstance(w, torch.Tensor) or not w.is_floating_point():
+        raise TypeError(f"w_quantizer must return a float tensor, got {type(w).__name__}"
+                        + (f" of {w.dtype}" if isinstance(w, torch.Tensor) else ""))
+    if w.shape != expected.shape or w.device != expected.device:
+        raise ValueError(
+            f"w_quantizer must return W's shape {tuple(expected.shape)} = [B, T, Hv, K] on "
+            f"{expected.device}, got {tuple(w.shape)} on {w.device}"
+        )
 
 
 def _block_v(block_v) -> int:
@@ -61,14 +84,17 @@ def chunk_gdn(
             L2-normalized (k) and activated.
         v: ``[B, T, Hv, V]``, same dtype; ``Hv`` a multiple of ``Hk`` (value
             head ``h`` reads key head ``h // (Hv // Hk)``).
-        g: ``[B, T, Hv]`` natural-log decay per token and value head (``<= 0``).
+        g: ``[B, T, Hv]`` natural-log decay per token and value head (``<= 0``,
+            finite: ``-inf`` turns the chunked forms' decay ratios into NaN).
         beta: ``[B, T, Hv]`` write strengths, usually in ``(0, 1)``.
         chunk_size: tokens per chunk, positive int (64 for the kernels).
         scale: output scale, default ``K ** -0.5``.
         initial_state: ``[N, Hv, K, V]`` (``[N, Hv, V, K]`` with
             ``state_v_first``), any float dtype; zeros when ``None``.
         cu_seqlens: ``[N + 1]`` int32/int64 boundaries of packed sequences,
-            on q's device; requires ``B == 1``.
+            on q's device, starting at 0, non-decreasing, ending at ``T``;
+            requires ``B == 1``. Checked on the host for CPU tensors, by a
+            device-side assert (no sync) on CUDA and while tracing.
         state_v_first: states are value-major.
         state_qdq: fake-quantize the state to FP8 E4M3 (initial state and each
             chunk's final state, after its readout), one scale per
@@ -83,10 +109,13 @@ def chunk_gdn(
         ``[N, Hv, K, V]`` (or value-major) in float32 (float64 for float64 inputs).
 
     Raises:
-        ValueError: mismatched batch/length/heads, ``Hv`` not a multiple of
-            ``Hk``, ``g`` not ``[B, T, Hv]``, ``cu_seqlens`` with ``B != 1``,
-            ``initial_state`` of the wrong shape, bad ``chunk_size``, mixed devices.
-        TypeError: non-float inputs, mixed q/k/v dtypes, non-integer ``cu_seqlens``.
+        ValueError: mismatched batch/length/heads, no heads or ``K == 0``, ``Hv``
+            not a multiple of ``Hk``, ``g`` not ``[B, T, Hv]``, ``cu_seqlens``
+            with ``B != 1`` or bad values, ``initial_state`` of the wrong shape,
+            bad ``chunk_size``, mixed devices, a ``w_quantizer`` result not of
+            ``W``'s shape.
+        TypeError: non-float inputs, mixed q/k/v dtypes, non-integer ``cu_seqlens``,
+            non-bool flags, a non-float ``scale``.
 
     Source: the chunked WY form of the gated delta rule (Yang et al., Gated Delta
     Networks, 2024), as specified by :func:`kdn_compile.reference.chunk_gdn_reference`.
@@ -104,10 +133,15 @@ def chunk_gdn(
         q, k, v, g, beta, initial_state=initial_state, cu_seqlens=cu_seqlens,
         state_v_first=state_v_first, gate="scalar", chunk_size=chunk_size,
     )
+    check_flag("state_v_first", state_v_first)
+    check_flag("state_qdq", state_qdq)
     scale, block_v, chunk_size = _scale(scale, q), _block_v(state_qdq_block_v), int(chunk_size)
+    cu_seqlens = _contiguous(cu_seqlens)
     if w_quantizer is not None:
         w, u = _ops.gdn_wy_operands_reference(k, v, g, beta, cu_seqlens, chunk_size)
-        w = w_quantizer(w)
+        quantized = w_quantizer(w)
+        _check_w(quantized, w)
+        w = quantized
         return _ops.gdn_wy_recurrence_reference(
             q, k, w, u, g, initial_state, cu_seqlens, chunk_size, scale,
             state_v_first, state_qdq, block_v,
@@ -138,7 +172,10 @@ def chunk_kda(
     Args:
         q, k, v, beta, chunk_size, scale, initial_state, cu_seqlens, state_v_first:
             as :func:`chunk_gdn`.
-        g: ``[B, T, Hv, K]`` natural-log decay per token, value head and key channel.
+        g: ``[B, T, Hv, K]`` natural-log decay per token, value head and key channel,
+            finite. The Triton kernels floor it at ``-20`` per token (a state
+            decayed by ``e^-20`` keeps under ``2e-9`` of itself, below float32
+            resolution); the references take it as is.
 
     Returns:
         ``(o, final_state)`` as :func:`chunk_gdn`.
@@ -153,6 +190,8 @@ def chunk_kda(
         q, k, v, g, beta, initial_state=initial_state, cu_seqlens=cu_seqlens,
         state_v_first=state_v_first, gate="per_key", chunk_size=chunk_size,
     )
+    check_flag("state_v_first", state_v_first)
+    cu_seqlens = _contiguous(cu_seqlens)
     op = _ops.chunk_kda if prefer_kernels(q.device.type) else _ops.chunk_kda_reference
     return op(
         q, k, v, g, beta, initial_state, cu_seqlens, int(chunk_size), _scale(scale, q),
@@ -195,6 +234,7 @@ def recurrent_delta_rule(
         q, k, v, g, beta, initial_state=initial_state, cu_seqlens=cu_seqlens,
         state_v_first=state_v_first, gate="any",
     )
+    check_flag("state_v_first", state_v_first)
     return _ops.recurrent_delta_rule_reference(
         q, k, v, g, beta, initial_state, cu_seqlens, _scale(scale, q), state_v_first
     )
@@ -247,10 +287,11 @@ def diag_kdn(
         q, k, v, log_alpha, omega, r, memory, precision, cu_seqlens=cu_seqlens,
         chunk_size=chunk_size,
     )
+    scale, info_scale = check_float("scale", scale), check_float("info_scale", info_scale)
     op = _ops.diag_kdn if prefer_kernels(q.device.type) else _ops.diag_kdn_reference
     return op(
-        q, k, v, log_alpha, omega, r, memory, precision, cu_seqlens, float(scale),
-        float(info_scale), int(chunk_size),
+        q, k, v, log_alpha, omega, r, memory, precision, _contiguous(cu_seqlens), scale,
+        info_scale, int(chunk_size),
     )
 
 

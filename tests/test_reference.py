@@ -252,3 +252,16 @@ def test_gradcheck_front_end():
     r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64, requires_grad=True)  # noqa
     _check(ref.kalman_noise, (r(1, 4, H, K), r(1, 4, H, K), r(1, 4, H), r(H), r(H * K), r(H)))
     _check(ref.normalize_query_key, (r(1, 4, H, K), r(1, 4, H, K)))
+
+
+def test_fp8_qdq_small_half_state_and_long_chunks():
+    small = torch.tensor([[1e-5, 0.0]], dtype=torch.float16)
+    out = ref.state_fp8_qdq_reference(small, 2)
+    assert torch.isfinite(out).all() and out[0, 1] == 0 and out[0, 0] > 0
+    assert ref.state_fp8_qdq_reference(torch.zeros(2, 0, 4), 2).shape == (2, 0, 4)
+    # chunk_size far beyond T computes the same as one chunk of length T, cheaply.
+    x = delta_inputs(T=8)
+    o_big, s_big = ref.chunk_gdn_reference(**x, chunk_size=2**20)
+    o_one, s_one = ref.chunk_gdn_reference(**x, chunk_size=8)
+    assert_close(o_big, o_one, 1e-13, "huge chunk")
+    assert_close(s_big, s_one, 1e-13, "huge chunk state")

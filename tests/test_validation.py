@@ -91,3 +91,39 @@ def test_state_fp8_qdq_rejects():
         kdn_compile.state_fp8_qdq(torch.zeros(4))
     with pytest.raises(TypeError, match=r"state must be float16, bfloat16, float32 or float64"):
         kdn_compile.state_fp8_qdq(torch.zeros(4, 4, dtype=torch.int32))
+
+
+def test_cu_seqlens_values_are_checked():
+    x = delta_inputs(B=1, T=8, K=4, V=3, N=2)
+    for bad in ([0, 3, 6], [1, 3, 8], [0, 9, 8], [0, -2, 8]):
+        with pytest.raises(ValueError, match=r"cu_seqlens must start at 0, never decrease and end at T = 8"):
+            kdn_compile.chunk_gdn(**x, cu_seqlens=torch.tensor(bad))
+    # A valid but strided boundary vector is fine (the kernels get a dense copy).
+    strided = torch.tensor([0, 99, 3, 99, 8])[::2]
+    o, _ = kdn_compile.chunk_gdn(**x, cu_seqlens=strided)
+    o_ref, _ = kdn_compile.chunk_gdn(**x, cu_seqlens=strided.contiguous())
+    assert torch.equal(o, o_ref)
+
+
+def test_zero_heads_flags_and_scalars():
+    x = delta_inputs(B=1, T=4, Hk=1, Hv=1, K=4, V=3)
+    x["q"] = x["k"] = torch.zeros(1, 4, 1, 0, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"at least one head and K >= 1, got shape \(1, 4, 1, 0\)"):
+        kdn_compile.chunk_gdn(**{n: t for n, t in x.items() if n != "initial_state"})
+    y = delta_inputs(T=4, K=4, V=3)
+    with pytest.raises(TypeError, match=r"state_qdq must be a bool, got str"):
+        kdn_compile.chunk_gdn(**y, state_qdq="yes")
+    z = kdn_inputs(T=5, K=4, V=3)
+    with pytest.raises(TypeError, match=r"scale must be a float, got NoneType"):
+        kdn_compile.diag_kdn(**z, scale=None, info_scale=1.0)
+    z["v"] = z["v"].float()
+    with pytest.raises(TypeError, match=r"q, k, v must share a dtype"):
+        kdn_compile.diag_kdn(**z, scale=1.0, info_scale=1.0)
+
+
+def test_w_quantizer_result_is_checked():
+    x = delta_inputs(T=8, K=4, V=3)
+    with pytest.raises(ValueError, match=r"w_quantizer must return W's shape \(2, 8, 4, 4\)"):
+        kdn_compile.chunk_gdn(**x, w_quantizer=lambda w: w[:, :4])
+    with pytest.raises(TypeError, match=r"w_quantizer must return a float tensor, got NoneType"):
+        kdn_compile.chunk_gdn(**x, w_quantizer=lambda w: None)

@@ -158,8 +158,14 @@ def _chunked(tensor: torch.Tensor, chunk_size: int) -> torch.Tensor:
     return padded.unflatten(2, (padded.shape[2] // chunk_size, chunk_size))
 
 
+def _effective_chunk(chunk_size: int, length: int) -> int:
+    """A chunk longer than the sequence computes the same as one of its length."""
+    return max(1, min(chunk_size, length))
+
+
 def _gdn_wy_core(k, v, gate, beta, *, chunk_size):
     length = k.shape[2]
+    chunk_size = _effective_chunk(chunk_size, length)
     kc, vc = _chunked(k, chunk_size), _chunked(v, chunk_size)
     bc = _chunked(beta, chunk_size)
     cumulative = _chunked(gate[..., 0], chunk_size).cumsum(-1)
@@ -215,6 +221,7 @@ def gdn_wy_operands_reference(
 
 def _gdn_apply_core(q, k, w, u, gate, state, *, scale, chunk_size, qdq_block_v):
     length = q.shape[2]
+    chunk_size = _effective_chunk(chunk_size, length)
     qc, kc = _chunked(q, chunk_size), _chunked(k, chunk_size)
     wc, uc = _chunked(w, chunk_size), _chunked(u, chunk_size)
     cumulative = _chunked(gate[..., 0], chunk_size).cumsum(-1)

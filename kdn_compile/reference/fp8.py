@@ -32,13 +32,17 @@ def state_fp8_qdq_reference(state: torch.Tensor, block_v: int = 64) -> torch.Ten
         )
     if int(block_v) < 1:
         raise ValueError(f"state_fp8_qdq: block_v must be a positive int, got {block_v}")
+    if state.numel() == 0:
+        return state + 0.0
     value_dim = state.shape[-1]
     pad = (-value_dim) % block_v
     with torch.no_grad():
         tiles = torch.nn.functional.pad(state, (0, pad))
         tiles = tiles.unflatten(-1, (tiles.shape[-1] // block_v, block_v))
+        # Scales in float32 at least: amax / 448 underflows in float16.
+        tiles = tiles.to(torch.promote_types(state.dtype, torch.float32))
         amax = tiles.abs().amax(dim=(-3, -1), keepdim=True)
         scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
-        rounded = (tiles / scale).to(torch.float8_e4m3fn).to(state.dtype) * scale
+        rounded = ((tiles / scale).to(torch.float8_e4m3fn).to(tiles.dtype) * scale).to(state.dtype)
         rounded = rounded.flatten(-2)[..., :value_dim]
     return state + (rounded - state).detach()
