@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# One call on the GPU machine: install, every CUDA test, then the benchmarks, each
+# with its full log under $OUT (the call's reply keeps only the tail). Run from the
+# repository root with the FLA wheels carried in .whl/ (see docs/benchmarks.md).
+#   bash benchmarks/gpu_suite.sh [seconds per stage, default 150]
+set -uo pipefail
+limit=${1:-150}
+out=${OUT:-/tmp/gpu_suite}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+pip install -q --no-deps --no-build-isolation -e . > "$out/pip.log" 2>&1 || tail "$out/pip.log"
+if ls .whl/*.whl > /dev/null 2>&1; then
+    python -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl > /dev/null 2>&1 \
+        && export PYTHONPATH=/tmp/site
+fi
+stage() {  # name, command...
+    local name=$1; shift
+    echo "== $name"
+    timeout "$limit" "$@" > "$out/$name.log" 2>&1
+    echo "   rc=$? ($(tail -n 1 "$out/$name.log"))"
+}
+stage capture python -m pytest -q -p no:cacheprovider -rf tests/test_gpu_capture.py
+stage two_key python -m pytest -q -p no:cacheprovider -rf tests/test_two_key_kernels.py
+stage gdn python -m pytest -q -p no:cacheprovider -rf tests/test_gdn_kernels.py
+stage gain python -m pytest -q -p no:cacheprovider -rf tests/test_kalman_gain_kernels.py
+stage bench_layers python benchmarks/bench_layers.py --layers gdn,kda,kdn
+stage bench_gdn python benchmarks/bench_gdn.py
+stage bench_kda python benchmarks/bench_kda.py
+grep -h -A3 "^FAILED\|Error" "$out"/*.log | head -60
