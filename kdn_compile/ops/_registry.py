@@ -148,6 +148,23 @@ class FamilyOps:
         values = self.reference_bwd_op(*(inputs[n] for n in self.params), *grads)
         return dict(zip(self.differentiable, values))
 
+    def kernel_or_reference_backward(
+        self, use_kernels: Callable[[dict], bool], kernel_bwd_op, arguments: Sequence[str]
+    ) -> Callable[[dict, list], dict]:
+        """A backward for :meth:`attach_autograd`: ``kernel_bwd_op(*inputs[arguments],
+        *grads)`` where ``use_kernels(inputs)``, else :meth:`reference_backward`.
+
+        ``kernel_bwd_op`` returns one gradient per differentiable input, in order.
+        """
+
+        def backward(inputs: dict, grads: list) -> dict:
+            if not use_kernels(inputs):
+                return self.reference_backward(inputs, grads)
+            found = kernel_bwd_op(*(inputs[n] for n in arguments), *grads)
+            return dict(zip(self.differentiable, found))
+
+        return backward
+
     # -- autograd wiring -----------------------------------------------------
     def attach_autograd(self, op, backward: Callable[[dict, list], dict]) -> None:
         """Register autograd for ``op``: ``backward(inputs, grads) -> {name: grad}``."""

@@ -111,20 +111,16 @@ def chunk_gdn_bwd_op(
     return dq, dk, dv, dg, dbeta, (q.new_empty(0) if dh0 is None else dh0)
 
 
-def _chunk_gdn_backward(inputs: dict, grads: list) -> dict:
-    x = inputs
-    if not _gdn_kernels(x["q"], x["k"], x["v"], x["g"], x["beta"], x["initial_state"],
-                        x["cu_seqlens"], x["chunk_size"], x["state_qdq"]):
-        return CHUNK_GDN.reference_backward(inputs, grads)
-    grad_o, grad_state = grads
-    found = chunk_gdn_bwd_op(
-        x["q"], x["k"], x["v"], x["g"], x["beta"], x["initial_state"], x["cu_seqlens"],
-        x["chunk_size"], x["scale"], x["state_v_first"], grad_o, grad_state,
-    )
-    return dict(zip(("q", "k", "v", "g", "beta", "initial_state"), found))
-
-
-CHUNK_GDN.attach_autograd(chunk_gdn_op, _chunk_gdn_backward)
+CHUNK_GDN.attach_autograd(
+    chunk_gdn_op,
+    CHUNK_GDN.kernel_or_reference_backward(
+        lambda x: _gdn_kernels(x["q"], x["k"], x["v"], x["g"], x["beta"], x["initial_state"],
+                               x["cu_seqlens"], x["chunk_size"], x["state_qdq"]),
+        chunk_gdn_bwd_op,
+        ("q", "k", "v", "g", "beta", "initial_state", "cu_seqlens", "chunk_size", "scale",
+         "state_v_first"),
+    ),
+)
 
 
 # -- the w_quantizer path: W and U, then the recurrence over chunks ---------------

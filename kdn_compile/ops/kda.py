@@ -135,16 +135,12 @@ def chunk_kda_bwd_op(
     )
 
 
-def _chunk_kda_backward(inputs: dict, grads: list) -> dict:
-    x = inputs
-    if not _kda_kernels(x["q"], x["v"], x["chunk_size"]):
-        return CHUNK_KDA.reference_backward(inputs, grads)
-    grad_o, grad_state = grads
-    found = chunk_kda_bwd_op(
-        x["q"], x["k"], x["v"], x["g"], x["beta"], x["initial_state"], x["cu_seqlens"],
-        x["chunk_size"], x["scale"], x["state_v_first"], grad_o, grad_state,
-    )
-    return dict(zip(("q", "k", "v", "g", "beta", "initial_state"), found))
-
-
-CHUNK_KDA.attach_autograd(chunk_kda_op, _chunk_kda_backward)
+CHUNK_KDA.attach_autograd(
+    chunk_kda_op,
+    CHUNK_KDA.kernel_or_reference_backward(
+        lambda x: _kda_kernels(x["q"], x["v"], x["chunk_size"]),
+        chunk_kda_bwd_op,
+        ("q", "k", "v", "g", "beta", "initial_state", "cu_seqlens", "chunk_size", "scale",
+         "state_v_first"),
+    ),
+)
