@@ -54,9 +54,9 @@ def _check_w(w, expected: torch.Tensor) -> None:
         )
 
 
-def _block_v(block_v) -> int:
+def _block_v(block_v, name: str = "state_qdq_block_v") -> int:
     if isinstance(block_v, bool) or not isinstance(block_v, int) or block_v < 1:
-        raise ValueError(f"state_qdq_block_v must be a positive int, got {block_v!r}")
+        raise ValueError(f"{name} must be a positive int, got {block_v!r}")
     return block_v
 
 
@@ -311,6 +311,4 @@ def state_fp8_qdq(state: torch.Tensor, block_v: int = 64) -> torch.Tensor:
     check_tensor("state", state)
     if state.dim() < 2:
         raise ValueError(f"state must be [..., K, V], got shape {tuple(state.shape)}")
-    if isinstance(block_v, bool) or not isinstance(block_v, int) or block_v < 1:
-        raise ValueError(f"block_v must be a positive int, got {block_v!r}")
-    return _ops.state_fp8_qdq_reference(state, block_v)
+    return _ops.state_fp8_qdq_reference(state, _block_v(block_v, "block_v"))

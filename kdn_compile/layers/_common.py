@@ -130,3 +130,17 @@ def heads(x: torch.Tensor, count: int) -> torch.Tensor:
 def work(x: torch.Tensor) -> torch.Tensor:
     """``x`` in at least float32 (float64 stays float64)."""
     return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+def convolved_qkv(layer: nn.Module, x: torch.Tensor, conv_cache, cu_seqlens, value_heads: int):
+    """The q/k/v projections of ``layer`` through its short convolution, split into heads.
+
+    ``layer`` has ``q_proj``, ``k_proj``, ``v_proj``, ``conv``, ``num_heads``,
+    ``head_dim`` and ``head_v_dim``. Returns ``(q [B, T, Hk, K], k [B, T, Hk, K],
+    v [B, T, value_heads, V], conv_cache)``; q and k are not normalized here.
+    """
+    qkv = torch.cat((layer.q_proj(x), layer.k_proj(x), layer.v_proj(x)), dim=-1)
+    qkv, conv_cache = layer.conv(qkv, conv_cache, cu_seqlens)
+    key_width = layer.num_heads * layer.head_dim
+    q, k, v = qkv.split((key_width, key_width, value_heads * layer.head_v_dim), dim=-1)
+    return heads(q, layer.num_heads), heads(k, layer.num_heads), heads(v, value_heads), conv_cache

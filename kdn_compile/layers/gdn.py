@@ -10,6 +10,7 @@ import kdn_compile
 from kdn_compile.layers._common import (
     GatedRMSNorm,
     ShortConv,
+    convolved_qkv,
     decay_rate_log,
     heads,
     time_step_bias,
@@ -116,13 +117,8 @@ class GatedDeltaNet(nn.Module):
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         conv_cache = None if state is None else state["conv"]
         recurrent = None if state is None else state["recurrent"]
-        qkv = torch.cat((self.q_proj(x), self.k_proj(x), self.v_proj(x)), dim=-1)
-        qkv, conv_cache = self.conv(qkv, conv_cache, cu_seqlens)
-        key_width = self.num_heads * self.head_dim
-        q, k, v = qkv.split((key_width, key_width, self.num_v_heads * self.head_v_dim), dim=-1)
-        q = F.normalize(heads(q, self.num_heads), dim=-1)
-        k = F.normalize(heads(k, self.num_heads), dim=-1)
-        v = heads(v, self.num_v_heads)
+        q, k, v, conv_cache = convolved_qkv(self, x, conv_cache, cu_seqlens, self.num_v_heads)
+        q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
         g = self.decay(x)
         beta = self.b_proj(x).sigmoid()
         o, recurrent = self.mix(q, k, v, g, beta, recurrent, cu_seqlens)

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 import kdn_compile
-from kdn_compile.layers._common import GatedRMSNorm, ShortConv, heads, work
+from kdn_compile.layers._common import GatedRMSNorm, ShortConv, convolved_qkv, heads, work
 from kdn_compile.layers._common import decay_rate_log, time_step_bias
 from kdn_compile.reference import (
     initial_precision_logit,
@@ -87,12 +87,9 @@ class DiagKDN(nn.Module):
         cu_seqlens: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         conv_cache = None if state is None else state["conv"]
-        qkv = torch.cat((self.q_proj(x), self.k_proj(x), self.v_proj(x)), dim=-1)
-        qkv, conv_cache = self.conv(qkv, conv_cache, cu_seqlens)
-        key_width = self.num_heads * self.head_dim
-        q, k, v = qkv.split((key_width, key_width, self.num_heads * self.head_v_dim), dim=-1)
-        q, k = normalize_query_key(heads(q, self.num_heads), heads(k, self.num_heads))
-        v = work(heads(v, self.num_heads))
+        q, k, v, conv_cache = convolved_qkv(self, x, conv_cache, cu_seqlens, self.num_heads)
+        q, k = normalize_query_key(q, k)
+        v = work(v)
         log_alpha, omega, r, prior = kalman_noise(
             heads(self.retention_proj(x), self.num_heads),
             heads(self.omega_proj(x), self.num_heads),

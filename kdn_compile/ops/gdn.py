@@ -24,6 +24,7 @@ from kdn_compile.lowering.chunk_gdn_fwd import chunk_gdn_fwd, gdn_kernel_support
 from kdn_compile.ops._dispatch import can_launch
 from kdn_compile.ops._registry import FamilyOps
 from kdn_compile.ops._shapes import empty_state
+from kdn_compile.reference._common import work_dtype
 
 
 def _chunk_gdn_signature(
@@ -139,8 +140,6 @@ def _wy_operands_reference(k, v, g, beta, cu_seqlens, chunk_size):
 
 
 def _wy_operands_fake(k, v, g, beta, cu_seqlens, chunk_size):
-    from kdn_compile.reference._common import work_dtype
-
     dtype = work_dtype(k.dtype)
     b, t, hv, dv = v.shape
     return k.new_empty((b, t, hv, k.shape[3]), dtype=dtype), v.new_empty((b, t, hv, dv), dtype=dtype)
@@ -171,8 +170,7 @@ def _wy_recurrence_reference(q, k, w, u, g, initial_state, cu_seqlens, chunk_siz
 
 def _wy_recurrence_fake(q, k, w, u, g, initial_state, cu_seqlens, chunk_size, scale,
                         state_v_first, state_qdq, state_qdq_block_v):
-    o = q.new_empty(u.shape[:3] + (u.shape[3],))
-    return o, empty_state(q, cu_seqlens, u.shape[2], k.shape[3], u.shape[3], state_v_first)
+    return q.new_empty(u.shape), empty_state(q, cu_seqlens, u.shape[2], k.shape[3], u.shape[3], state_v_first)
 
 
 GDN_WY_RECURRENCE = FamilyOps(
