@@ -47,6 +47,7 @@ def _chunk_gdn_bwd_state_kernel(
     BT: tl.constexpr, BV: tl.constexpr, HAS_DHT: tl.constexpr, HAS_H0: tl.constexpr,
     STATE_V_FIRST: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
+    scale = tl.cast(scale, tl.float32)  # Inductor passes Python floats as fp64
     i_nh, i_v = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     i_hk = i_h // (H // HK)
@@ -129,6 +130,7 @@ def _chunk_gdn_bwd_grad_kernel(
 ):
     """Program ``(chunk, head, role)``: role 0 writes ``dq`` and part of the gate gradient
     (``dg0``), role 1 ``dk``, ``dbeta`` and the rest (``dg1``); both redo ``delta``."""
+    scale = tl.cast(scale, tl.float32)  # Inductor passes Python floats as fp64
     i_c, i_h, i_r = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_n, i_t, bos, eos = locate_chunk(i_c, cu_seqlens, offsets, T, N, BT, IS_VARLEN)
     t0 = bos + i_t * BT

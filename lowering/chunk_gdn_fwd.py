@@ -237,6 +237,7 @@ def _chunk_gdn_fwd_kernel(
     BT: tl.constexpr, BV: tl.constexpr, HAS_H0: tl.constexpr, RECOMPUTE: tl.constexpr,
     STATE_V_FIRST: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
+    scale = tl.cast(scale, tl.float32)  # Inductor passes Python floats as fp64
     i_nh, i_v = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     i_hk = i_h // (H // HK)

@@ -49,6 +49,7 @@ def _kalman_gain_bwd_chunk_map_kernel(
     BT: tl.constexpr, BK: tl.constexpr, IS_VARLEN: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     """Composed adjoint map of one chunk and head; keeps ``p_{t-1}`` in ``prev_cov``."""
+    info_scale = tl.cast(info_scale, tl.float32)  # Inductor passes Python floats as fp64
     i_c, i_h = tl.program_id(0).to(tl.int64), tl.program_id(1)
     t0, eos = _chunk_bounds(i_c, cu_seqlens, chunk_seq, chunk_offsets, T, NT, BT, IS_VARLEN)
     if t0 >= eos:
@@ -125,6 +126,7 @@ def _kalman_gain_bwd_kernel(
     BT: tl.constexpr, BK: tl.constexpr, IS_VARLEN: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     """Gradients of one chunk and head, walking its tokens in reverse."""
+    info_scale = tl.cast(info_scale, tl.float32)  # Inductor passes Python floats as fp64
     i_c, i_h = tl.program_id(0).to(tl.int64), tl.program_id(1)
     t0, eos = _chunk_bounds(i_c, cu_seqlens, chunk_seq, chunk_offsets, T, NT, BT, IS_VARLEN)
     if t0 >= eos:

@@ -99,6 +99,7 @@ def _kalman_gain_chunk_map_kernel(
     BT: tl.constexpr, BK: tl.constexpr, IS_VARLEN: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     """Product of the covariance maps of one chunk of one head."""
+    info_scale = tl.cast(info_scale, tl.float32)  # Inductor passes Python floats as fp64
     i_c, i_h = tl.program_id(0).to(tl.int64), tl.program_id(1)
     t0, eos = _chunk_bounds(i_c, cu_seqlens, chunk_seq, chunk_offsets, T, NT, BT, IS_VARLEN)
     if t0 >= eos:
@@ -168,6 +169,7 @@ def _kalman_gain_fwd_kernel(
     BT: tl.constexpr, BK: tl.constexpr, IS_VARLEN: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     """Gains ``kappa_t = p_hat_t k_t / (r_t + sum_i p_hat_ti k_ti^2)`` of one chunk and head."""
+    info_scale = tl.cast(info_scale, tl.float32)  # Inductor passes Python floats as fp64
     i_c, i_h = tl.program_id(0).to(tl.int64), tl.program_id(1)
     t0, eos = _chunk_bounds(i_c, cu_seqlens, chunk_seq, chunk_offsets, T, NT, BT, IS_VARLEN)
     if t0 >= eos:

@@ -46,6 +46,7 @@ def _two_key_bwd_state_kernel(
     Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BV: tl.constexpr, HAS_DHT: tl.constexpr,
 ):
+    scale = tl.cast(scale, tl.float32)  # Inductor passes Python floats as fp64
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // Hv, i_nh % Hv
     bos = tl.load(cu_seqlens + i_n).to(tl.int64)
@@ -92,6 +93,7 @@ def _two_key_bwd_pair_kernel(
     Hv: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
 ):
     """``dA = -strict(dY X^T)`` and ``dR = scale lower(do X^T)`` of one chunk."""
+    scale = tl.cast(scale, tl.float32)  # Inductor passes Python floats as fp64
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     i_n = tl.load(chunk_seq + i_c)
     if i_n >= N:
@@ -133,6 +135,7 @@ def _two_key_bwd_intra_kernel(
     Hk: tl.constexpr, Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
 ):
+    scale = tl.cast(scale, tl.float32)  # Inductor passes Python floats as fp64
     i_c, i_k, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     NK: tl.constexpr = K // BK
     i_hk = i_h // (Hv // Hk)

@@ -278,6 +278,7 @@ def _two_key_fwd_output_kernel(
     Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
 ):
+    scale = tl.cast(scale, tl.float32)  # Inductor passes Python floats as fp64
     i_c, i_v, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_n = tl.load(chunk_seq + i_c)
     if i_n >= N:
