@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
+from kdn_compile.lowering._launch import dot_precision
 from kdn_compile.lowering.two_key_common import (
     BC,
     BT,
@@ -44,7 +45,7 @@ def _two_key_bwd_state_kernel(
     qd, kd, wl, c, tmat, rmat, do, dht, dh, dv, dh0,
     cu_seqlens, chunk_first, s_k, s_v, scale,
     Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BT: tl.constexpr, BV: tl.constexpr, HAS_DHT: tl.constexpr,
+    BT: tl.constexpr, BV: tl.constexpr, HAS_DHT: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     scale = tl.cast(scale, tl.float32)  # Inductor passes Python floats as fp64
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
@@ -73,16 +74,17 @@ def _two_key_bwd_state_kernel(
         b_do = tl.load(do + p_x, mask=m_t[:, None], other=0.0)
         b_wl = tl.load(wl + p_kt, mask=m_t[:, None], other=0.0)
         b_r = load_rows(rmat, t0, o_bt, m_t, i_h, Hv, BT).to(b_wl.dtype)
-        b_dxt = scale * tl.dot(tl.trans(b_r), b_do.to(b_wl.dtype))
-        b_dxt += tl.dot(b_wl, b_ds.to(b_wl.dtype))
+        b_dxt = scale * tl.dot(tl.trans(b_r), b_do.to(b_wl.dtype), input_precision=DOT_PREC)
+        b_dxt += tl.dot(b_wl, b_ds.to(b_wl.dtype), input_precision=DOT_PREC)
         b_t = load_rows(tmat, t0, o_bt, m_t, i_h, Hv, BT).to(b_wl.dtype)
-        b_dy = tl.dot(tl.trans(b_t), b_dxt.to(b_wl.dtype))
+        b_dy = tl.dot(tl.trans(b_t), b_dxt.to(b_wl.dtype), input_precision=DOT_PREC)
         tl.store(dv + p_x, b_dy, mask=m_t[:, None])
         b_qd = tl.load(qd + p_kt, mask=m_t[:, None], other=0.0)
         b_kd = tl.load(kd + p_kt, mask=m_t[:, None], other=0.0)
         b_el = tl.exp(load_row(c, last, eos, i_h, Hv, K))
-        b_ds = b_ds * b_el[:, None] + scale * tl.dot(tl.trans(b_qd), b_do.to(b_qd.dtype))
-        b_ds -= tl.dot(tl.trans(b_kd), b_dy.to(b_kd.dtype))
+        b_ds = b_ds * b_el[:, None] + scale * tl.dot(tl.trans(b_qd), b_do.to(b_qd.dtype),
+                                                     input_precision=DOT_PREC)
+        b_ds -= tl.dot(tl.trans(b_kd), b_dy.to(b_kd.dtype), input_precision=DOT_PREC)
     tl.store(dh0 + p_state, b_ds)
 
 
@@ -91,6 +93,7 @@ def _two_key_bwd_pair_kernel(
     x, do, dv, dascr, drscr,
     cu_seqlens, chunk_seq, chunk_first, N, scale,
     Hv: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
+    DOT_PREC: tl.constexpr,
 ):
     """``dA = -strict(dY X^T)`` and ``dR = scale lower(do X^T)`` of one chunk."""
     scale = tl.cast(scale, tl.float32)  # Inductor passes Python floats as fp64
@@ -106,13 +109,13 @@ def _two_key_bwd_pair_kernel(
     for i_v in range(V // BV):
         o_v = i_v * BV + tl.arange(0, BV)
         p_x = (t0 * Hv + i_h) * V + (o_bt[:, None] * (Hv * V) + o_v[None, :])
-        # float32 (tf32) operands: the bf16 form of do @ x^T gave a 7% error in
-        # dq on the H200 with Triton 3.6 (2026-11-30), where float32 passed.
+        # float32 operands (tf32 for half inputs): the bf16 form of do @ x^T gave a 7%
+        # error in dq on the H200 with Triton 3.6 (2026-11-30), where float32 passed.
         b_x = tl.load(x + p_x, mask=m_t[:, None], other=0.0).to(tl.float32)
         b_do = tl.load(do + p_x, mask=m_t[:, None], other=0.0).to(tl.float32)
         b_dy = tl.load(dv + p_x, mask=m_t[:, None], other=0.0)
-        b_da += tl.dot(b_dy, tl.trans(b_x))
-        b_dr += tl.dot(b_do, tl.trans(b_x))
+        b_da += tl.dot(b_dy, tl.trans(b_x), input_precision=DOT_PREC)
+        b_dr += tl.dot(b_do, tl.trans(b_x), input_precision=DOT_PREC)
     b_da = -tl.where(o_bt[:, None] > o_bt[None, :], b_da, 0.0)
     b_dr = scale * tl.where(o_bt[:, None] >= o_bt[None, :], b_dr, 0.0)
     store_rows(dascr, b_da, t0, o_bt, m_t, i_h, Hv, BT)
@@ -120,11 +123,11 @@ def _two_key_bwd_pair_kernel(
 
 
 @triton.jit
-def _pair_rows(b_d, b_c_row, b_c_col, b_w_col, b_cr, m_row, m_col):
+def _pair_rows(b_d, b_c_row, b_c_col, b_w_col, b_cr, m_row, m_col, DOT_PREC: tl.constexpr):
     """``sum_s d[t, s] w_s e^{c_t - c_s}`` for one off-diagonal block pair (factored at ``cr``)."""
     b_wc = tl.where(m_col[:, None], b_w_col * tl.exp(b_cr[None, :] - b_c_col), 0.0)
     b_fr = tl.where(m_row[:, None], tl.exp(b_c_row - b_cr[None, :]), 0.0)
-    return tl.dot(b_d, b_wc) * b_fr
+    return tl.dot(b_d, b_wc, input_precision=DOT_PREC) * b_fr
 
 
 @triton.jit
@@ -134,6 +137,7 @@ def _two_key_bwd_intra_kernel(
     cu_seqlens, chunk_seq, chunk_first, N, scale,
     Hk: tl.constexpr, Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    DOT_PREC: tl.constexpr,
 ):
     scale = tl.cast(scale, tl.float32)  # Inductor passes Python floats as fp64
     i_c, i_k, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -176,7 +180,7 @@ def _two_key_bwd_intra_kernel(
             p_x = ((t0 + i * BC) * Hv + i_h) * V + (o_c[:, None] * (Hv * V) + o_v[None, :])
             b_x = tl.load(x + p_x, mask=m_i[:, None], other=0.0).to(tl.float32)
             b_dh = tl.load(dh + p_dh + o_k[:, None] * V + o_v[None, :]).to(tl.float32)
-            b_dwl += tl.dot(b_x, tl.trans(b_dh))
+            b_dwl += tl.dot(b_x, tl.trans(b_dh), input_precision=DOT_PREC)
         b_carry += tl.sum(tl.where(m_i[:, None], b_wl * b_dwl, 0.0), 0)
 
     for ib in range(BT // BC):
@@ -200,8 +204,8 @@ def _two_key_bwd_intra_kernel(
             b_wj = load_rows(w + i_k * BK, t0 + j * BC, o_c, m_j, i_h * NK, H2, BK)
             b_daij = load_block(dascr, t0 + i * BC, m_i, i_h, j * BC, Hv, BT, BC)
             b_drij = load_block(drscr, t0 + i * BC, m_i, i_h, j * BC, Hv, BT, BC)
-            b_dkp += _pair_rows(b_daij, b_ci, b_cj, b_wj, b_cb, m_i, m_j)
-            b_dqp += _pair_rows(b_drij, b_ci, b_cj, b_wj, b_cb, m_i, m_j)
+            b_dkp += _pair_rows(b_daij, b_ci, b_cj, b_wj, b_cb, m_i, m_j, DOT_PREC)
+            b_dqp += _pair_rows(b_drij, b_ci, b_cj, b_wj, b_cb, m_i, m_j, DOT_PREC)
         # Columns of block i against later blocks j > i.
         for j in range(i + 1, BT // BC):
             o_j = t0 + j * BC + o_c
@@ -215,7 +219,8 @@ def _two_key_bwd_intra_kernel(
             b_daji = load_block(dascr, t0 + j * BC, m_j, i_h, i * BC, Hv, BT, BC)
             b_drji = load_block(drscr, t0 + j * BC, m_j, i_h, i * BC, Hv, BT, BC)
             b_fc = tl.where(m_i[:, None], tl.exp(b_cb[None, :] - b_ci), 0.0)
-            b_dwp += (tl.dot(tl.trans(b_daji), b_kj) + tl.dot(tl.trans(b_drji), b_qj)) * b_fc
+            b_dwp += (tl.dot(tl.trans(b_daji), b_kj, input_precision=DOT_PREC)
+                      + tl.dot(tl.trans(b_drji), b_qj, input_precision=DOT_PREC)) * b_fc
         # The diagonal block, one half of columns at a time.
         b_daii = load_block(dascr, t0 + i * BC, m_i, i_h, i * BC, Hv, BT, BC)
         b_drii = load_block(drscr, t0 + i * BC, m_i, i_h, i * BC, Hv, BT, BC)
@@ -228,10 +233,11 @@ def _two_key_bwd_intra_kernel(
             b_fr = tl.where(row_ok[:, None], tl.exp(b_ci - b_cr[None, :]), 0.0)
             b_fc = tl.where(col_ok[:, None], tl.exp(b_cr[None, :] - b_ci), 0.0)
             b_wc = b_wi * b_fc
-            b_dkp += tl.dot(b_daii, b_wc) * b_fr
-            b_dqp += tl.dot(b_drii, b_wc) * b_fr
+            b_dkp += tl.dot(b_daii, b_wc, input_precision=DOT_PREC) * b_fr
+            b_dqp += tl.dot(b_drii, b_wc, input_precision=DOT_PREC) * b_fr
             b_dwp += (
-                tl.dot(tl.trans(b_daii), b_ki * b_fr) + tl.dot(tl.trans(b_drii), b_qi * b_fr)
+                tl.dot(tl.trans(b_daii), b_ki * b_fr, input_precision=DOT_PREC)
+                + tl.dot(tl.trans(b_drii), b_qi * b_fr, input_precision=DOT_PREC)
             ) * b_fc
         # State terms of block i.
         b_dqs = tl.zeros([BC, BK], dtype=tl.float32)
@@ -246,9 +252,9 @@ def _two_key_bwd_intra_kernel(
             p_s = o_k[:, None] * V + o_v[None, :]
             b_h = tl.load(h + p_h0 + p_s).to(tl.float32)
             b_dh = tl.load(dh + (i_c.to(tl.int64) * Hv + i_h) * K * V + p_s).to(tl.float32)
-            b_dqs += tl.dot(b_do, tl.trans(b_h))
-            b_dks += tl.dot(b_dy, tl.trans(b_h))
-            b_dws += tl.dot(b_x, tl.trans(b_dh))
+            b_dqs += tl.dot(b_do, tl.trans(b_h), input_precision=DOT_PREC)
+            b_dks += tl.dot(b_dy, tl.trans(b_h), input_precision=DOT_PREC)
+            b_dws += tl.dot(b_x, tl.trans(b_dh), input_precision=DOT_PREC)
         b_e = tl.where(m_i[:, None], tl.exp(b_ci), 0.0)
         b_el = tl.where(m_i[:, None], tl.exp(b_cl[None, :] - b_ci), 0.0)
         b_dqs = scale * b_dqs * b_e
@@ -311,6 +317,7 @@ def two_key_bwd(
     batch, length, hk, key_dim = q.shape
     hv, value_dim = v.shape[2], v.shape[3]
     dt = compute_dtype(q.dtype)
+    prec = dot_precision(q.dtype)
     num_seqs = chunk_first.shape[0] - 1
     num_chunks = chunk_seq.shape[0]
     bounds, _ = sequence_bounds(batch, length, cu_seqlens, q.device)
@@ -331,7 +338,7 @@ def two_key_bwd(
         dht.contiguous() if dht is not None else dh0, dh, dv32, dh0,
         bounds, chunk_first, s_k, s_v, scale,
         Hv=hv, K=key_dim, V=value_dim, BT=BT, BV=state_v,
-        HAS_DHT=dht is not None,
+        HAS_DHT=dht is not None, DOT_PREC=prec,
         # Two stages need 311 KB of shared memory for fp32 tiles and 252 KB for bf16
         # at K = V = 256 (sm_90 has 227 KB): one stage there.
         num_warps=4, num_stages=2 if dt != torch.float32 and key_dim <= 128 else 1,
@@ -341,7 +348,7 @@ def two_key_bwd(
     wrap_triton(_two_key_bwd_pair_kernel)[(num_chunks, hv)](
         x, dof, dv32, dascr, drscr,
         bounds, chunk_seq, chunk_first, num_seqs, scale,
-        Hv=hv, V=value_dim, BT=BT, BV=block_v,
+        Hv=hv, V=value_dim, BT=BT, BV=block_v, DOT_PREC=prec,
         num_warps=4, num_stages=2,
     )
     block_k = min(64, key_dim)
@@ -354,6 +361,7 @@ def two_key_bwd(
         dq, dk, dw, dg,
         bounds, chunk_seq, chunk_first, num_seqs, scale,
         Hk=hk, Hv=hv, K=key_dim, V=value_dim, BT=BT, BC=BC, BK=block_k, BV=block_v,
+        DOT_PREC=prec,
         # 8 warps: 228 registers and no spill (ptxas, sm_90, bf16, K=V=128) where 4
         # warps spilled 264 bytes; at 4 warps (600 bytes of spill, unrolled row
         # blocks) this kernel took 6.0 of 13.5 ms of fwd+bwd at 8x4096x16 on the H200.

@@ -19,8 +19,11 @@ factored operands, never as ``exp(+large)``:
 Bound relied on: every per-token log decay ``g >= LOG_DECAY_BOUND = -20``
 (``4 * 20 = 80 < 88.7``, the float32 exponent limit); Diag-KDN floors its memory
 decay at ``log(1e-6) = -13.8``. Beyond about ``-22`` per token the diagonal
-blocks overflow. All chunk algebra runs in float32; tensor-core operands of the
-state products use the input dtype (bf16/fp16) or tf32 (fp32 inputs).
+blocks overflow. All chunk algebra runs in float32. Products take the kernels'
+``DOT_PREC`` (:func:`~kdn_compile.lowering._launch.dot_precision`): with bf16/fp16
+inputs their operands are the input dtype or tf32 (tensor cores); with fp32
+inputs every product is exact fp32 (``"ieee"``, no tf32). ``T = (I + A)^-1`` is
+formed in exact fp32 for every dtype.
 
 Packed sequences: every kernel reads ``cu_seqlens`` on the device. Chunks are
 numbered globally; ``chunk_seq[i]`` is the sequence of chunk ``i`` (``N`` past

@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
+from kdn_compile.lowering._launch import dot_precision
 from kdn_compile.lowering.two_key_common import (
     BC,
     BT,
@@ -59,7 +60,7 @@ def _unit_lower_inverse(a_ptr, row0, m_r, i_h, col0, H: tl.constexpr, BT: tl.con
 
 @triton.jit
 def _diag_pair(b_ci, b_ki, b_qi, b_wi, o_i, m_i, last, c, i_h, half, t_blk,
-               Hv: tl.constexpr, K: tl.constexpr, BC: tl.constexpr):
+               Hv: tl.constexpr, K: tl.constexpr, BC: tl.constexpr, DOT_PREC: tl.constexpr):
     """``(A, R)`` of a diagonal block restricted to the columns ``s`` of one half:
     ``sum_i x_ti e^{c_ti - c_si} w_si`` for ``x = k`` and ``x = q``.
 
@@ -72,7 +73,8 @@ def _diag_pair(b_ci, b_ki, b_qi, b_wi, o_i, m_i, last, c, i_h, half, t_blk,
     col_ok = row_ok & (o_i < start + BC // 2)
     b_fr = tl.where(row_ok[:, None], tl.exp(b_ci - b_cr[None, :]), 0.0)
     b_wc = tl.trans(tl.where(col_ok[:, None], b_wi * tl.exp(b_cr[None, :] - b_ci), 0.0))
-    return tl.dot(b_ki * b_fr, b_wc), tl.dot(b_qi * b_fr, b_wc)
+    return (tl.dot(b_ki * b_fr, b_wc, input_precision=DOT_PREC),
+            tl.dot(b_qi * b_fr, b_wc, input_precision=DOT_PREC))
 
 
 @triton.jit
@@ -80,7 +82,7 @@ def _two_key_fwd_intra_kernel(
     q, k, w, v, g, c, qd, kd, wl, ascr, tmat, rmat, wk, u,
     cu_seqlens, chunk_seq, chunk_first, N,
     Hk: tl.constexpr, Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BT: tl.constexpr, BC: tl.constexpr,
+    BT: tl.constexpr, BC: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     i_hk = i_h // (Hv // Hk)
@@ -127,14 +129,14 @@ def _two_key_fwd_intra_kernel(
                 b_cj = load_rows(c, t0 + j * BC, o_c, m_j, i_h, Hv, K)
                 b_wc = tl.where(m_j[:, None], b_wj * tl.exp(b_cb[None, :] - b_cj), 0.0)
                 b_fr = tl.where(m_i[:, None], tl.exp(b_ci - b_cb[None, :]), 0.0)
-                b_a = tl.dot(b_ki * b_fr, tl.trans(b_wc))
-                b_r = tl.dot(b_qi * b_fr, tl.trans(b_wc))
+                b_a = tl.dot(b_ki * b_fr, tl.trans(b_wc), input_precision=DOT_PREC)
+                b_r = tl.dot(b_qi * b_fr, tl.trans(b_wc), input_precision=DOT_PREC)
             elif j == i:
                 b_wi = load_rows(w, t0 + i * BC, o_c, m_i, i_h, Hv, K)
                 b_a, b_r = _diag_pair(b_ci, b_ki, b_qi, b_wi, o_i, m_i, last, c, i_h, 0,
-                                      t0 + i * BC, Hv, K, BC)
+                                      t0 + i * BC, Hv, K, BC, DOT_PREC)
                 b_a1, b_r1 = _diag_pair(b_ci, b_ki, b_qi, b_wi, o_i, m_i, last, c, i_h, 1,
-                                        t0 + i * BC, Hv, K, BC)
+                                        t0 + i * BC, Hv, K, BC, DOT_PREC)
                 b_a += b_a1
                 b_r += b_r1
                 b_a = tl.where(o_i[:, None] > o_j[None, :], b_a, 0.0)
@@ -201,31 +203,35 @@ def _two_key_fwd_intra_kernel(
     store_block(tmat, b_zero, t0 + 2 * BC, m_2, i_h, 3 * BC, Hv, BT, BC)
 
     # Wk = T (k e^c), U = T v, block rows.
-    _block_row_product(wk, kd, t00, t00, t00, t00, eos, t0, i_h, 1, Hv, K, BC)
-    _block_row_product(wk, kd, t10, t11, t11, t11, eos, t0, i_h, 2, Hv, K, BC)
-    _block_row_product(wk, kd, t20, t21, t22, t22, eos, t0, i_h, 3, Hv, K, BC)
-    _block_row_product(wk, kd, t30, t31, t32, t33, eos, t0, i_h, 4, Hv, K, BC)
-    _block_row_product(u, v, t00, t00, t00, t00, eos, t0, i_h, 1, Hv, V, BC)
-    _block_row_product(u, v, t10, t11, t11, t11, eos, t0, i_h, 2, Hv, V, BC)
-    _block_row_product(u, v, t20, t21, t22, t22, eos, t0, i_h, 3, Hv, V, BC)
-    _block_row_product(u, v, t30, t31, t32, t33, eos, t0, i_h, 4, Hv, V, BC)
+    _block_row_product(wk, kd, t00, t00, t00, t00, eos, t0, i_h, 1, Hv, K, BC, DOT_PREC)
+    _block_row_product(wk, kd, t10, t11, t11, t11, eos, t0, i_h, 2, Hv, K, BC, DOT_PREC)
+    _block_row_product(wk, kd, t20, t21, t22, t22, eos, t0, i_h, 3, Hv, K, BC, DOT_PREC)
+    _block_row_product(wk, kd, t30, t31, t32, t33, eos, t0, i_h, 4, Hv, K, BC, DOT_PREC)
+    _block_row_product(u, v, t00, t00, t00, t00, eos, t0, i_h, 1, Hv, V, BC, DOT_PREC)
+    _block_row_product(u, v, t10, t11, t11, t11, eos, t0, i_h, 2, Hv, V, BC, DOT_PREC)
+    _block_row_product(u, v, t20, t21, t22, t22, eos, t0, i_h, 3, Hv, V, BC, DOT_PREC)
+    _block_row_product(u, v, t30, t31, t32, t33, eos, t0, i_h, 4, Hv, V, BC, DOT_PREC)
 
 
 @triton.jit
 def _block_row_product(out, src, t_0, t_1, t_2, t_3, eos, t0, i_h, NB: tl.constexpr,
-                       Hv: tl.constexpr, D: tl.constexpr, BC: tl.constexpr):
+                       Hv: tl.constexpr, D: tl.constexpr, BC: tl.constexpr, DOT_PREC: tl.constexpr):
     """Store at block row ``NB - 1`` of the chunk: ``sum_{j < NB} t_j @ src_j``.
 
     ``src_j`` is the j-th 16-row block of the chunk starting at token ``t0``.
     """
     o_c = tl.arange(0, BC)
-    b_acc = tl.dot(t_0, load_rows(src, t0, o_c, t0 + o_c < eos, i_h, Hv, D))
+    b_acc = tl.dot(t_0, load_rows(src, t0, o_c, t0 + o_c < eos, i_h, Hv, D),
+                   input_precision=DOT_PREC)
     if NB > 1:
-        b_acc += tl.dot(t_1, load_rows(src, t0 + BC, o_c, t0 + BC + o_c < eos, i_h, Hv, D))
+        b_acc += tl.dot(t_1, load_rows(src, t0 + BC, o_c, t0 + BC + o_c < eos, i_h, Hv, D),
+                        input_precision=DOT_PREC)
     if NB > 2:
-        b_acc += tl.dot(t_2, load_rows(src, t0 + 2 * BC, o_c, t0 + 2 * BC + o_c < eos, i_h, Hv, D))
+        b_acc += tl.dot(t_2, load_rows(src, t0 + 2 * BC, o_c, t0 + 2 * BC + o_c < eos, i_h, Hv, D),
+                        input_precision=DOT_PREC)
     if NB > 3:
-        b_acc += tl.dot(t_3, load_rows(src, t0 + 3 * BC, o_c, t0 + 3 * BC + o_c < eos, i_h, Hv, D))
+        b_acc += tl.dot(t_3, load_rows(src, t0 + 3 * BC, o_c, t0 + 3 * BC + o_c < eos, i_h, Hv, D),
+                        input_precision=DOT_PREC)
     t_row = t0 + (NB - 1) * BC
     store_rows(out, b_acc, t_row, o_c, t_row + o_c < eos, i_h, Hv, D)
 
@@ -235,7 +241,7 @@ def _two_key_fwd_state_kernel(
     wk, u, wl, c, h, x, h0, ht,
     cu_seqlens, chunk_first, s_k, s_v,
     Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BT: tl.constexpr, BV: tl.constexpr, HAS_H0: tl.constexpr,
+    BT: tl.constexpr, BV: tl.constexpr, HAS_H0: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // Hv, i_nh % Hv
@@ -261,11 +267,12 @@ def _two_key_fwd_state_kernel(
         tl.store(h + ((slot + j) * Hv + i_h) * K * V + p_slot, b_s.to(h.dtype.element_ty))
         b_wk = tl.load(wk + (t0 * Hv + i_h) * K + p_kt, mask=m_t[:, None], other=0.0)
         b_x = tl.load(u + (t0 * Hv + i_h) * V + p_vt, mask=m_t[:, None], other=0.0).to(tl.float32)
-        b_x -= tl.dot(b_wk, b_s.to(b_wk.dtype))
+        b_x -= tl.dot(b_wk, b_s.to(b_wk.dtype), input_precision=DOT_PREC)
         tl.store(x + (t0 * Hv + i_h) * V + p_vt, b_x.to(x.dtype.element_ty), mask=m_t[:, None])
         b_wl = tl.load(wl + (t0 * Hv + i_h) * K + p_kt, mask=m_t[:, None], other=0.0)
         b_el = tl.exp(load_row(c, last, eos, i_h, Hv, K))
-        b_s = b_s * b_el[:, None] + tl.dot(tl.trans(b_wl), b_x.to(b_wl.dtype))
+        b_s = b_s * b_el[:, None] + tl.dot(tl.trans(b_wl), b_x.to(b_wl.dtype),
+                                           input_precision=DOT_PREC)
     p_end = ((slot + tl.cdiv(eos - bos, BT)) * Hv + i_h) * K * V
     tl.store(h + p_end + p_slot, b_s.to(h.dtype.element_ty))
     tl.store(ht + i_nh.to(tl.int64) * K * V + p_state, b_s)
@@ -276,7 +283,7 @@ def _two_key_fwd_output_kernel(
     qd, h, rmat, x, o,
     cu_seqlens, chunk_seq, chunk_first, N, scale,
     Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     scale = tl.cast(scale, tl.float32)  # Inductor passes Python floats as fp64
     i_c, i_v, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -291,13 +298,13 @@ def _two_key_fwd_output_kernel(
     p_x = (t0 * Hv + i_h) * V + (o_bt[:, None] * (Hv * V) + o_v[None, :])
     b_x = tl.load(x + p_x, mask=m_t[:, None], other=0.0)
     b_r = load_rows(rmat, t0, o_bt, m_t, i_h, Hv, BT).to(b_x.dtype)
-    b_o = tl.dot(b_r, b_x)
+    b_o = tl.dot(b_r, b_x, input_precision=DOT_PREC)
     for i_k in range(K // BK):
         o_k = i_k * BK + tl.arange(0, BK)
         b_h = tl.load(p_h + o_k[:, None] * V + o_v[None, :])
         p_qd = qd + (t0 * Hv + i_h) * K + (o_bt[:, None] * (Hv * K) + o_k[None, :])
         b_qd = tl.load(p_qd, mask=m_t[:, None], other=0.0)
-        b_o += tl.dot(b_qd, b_h)
+        b_o += tl.dot(b_qd, b_h, input_precision=DOT_PREC)
     tl.store(o + p_x, (scale * b_o).to(o.dtype.element_ty), mask=m_t[:, None])
 
 
@@ -349,6 +356,7 @@ def two_key_fwd(
     batch, length, hk, key_dim = q.shape
     hv, value_dim = v.shape[2], v.shape[3]
     dt = compute_dtype(q.dtype)
+    prec = dot_precision(q.dtype)
     bounds, num_seqs = sequence_bounds(batch, length, cu_seqlens, q.device)
     num_chunks = num_chunks_bound(batch, length, num_seqs, cu_seqlens is not None)
     chunk_seq, chunk_first = chunk_map(bounds, num_chunks)
@@ -373,7 +381,7 @@ def two_key_fwd(
     wrap_triton(_two_key_fwd_intra_kernel)[(num_chunks, hv)](
         qf, kf, wf, vf, gf, c, qd, kd, wl, ascr, tmat, rmat, wk, u,
         bounds, chunk_seq, chunk_first, num_seqs,
-        Hk=hk, Hv=hv, K=key_dim, V=value_dim, BT=BT, BC=BC,
+        Hk=hk, Hv=hv, K=key_dim, V=value_dim, BT=BT, BC=BC, DOT_PREC=prec,
         # 8 warps: 232 registers and no spill (ptxas, sm_90, bf16, K=V=128) where 4
         # warps spilled; with 4 warps and a 16-step substitution per diagonal block
         # this kernel took 4.5 of 5.3 ms of the forward at 8x4096x16 on the H200.
@@ -387,13 +395,13 @@ def two_key_fwd(
         wk, u, wl, c, h, x, h0, final_state,
         bounds, chunk_first, s_k, s_v,
         Hv=hv, K=key_dim, V=value_dim, BT=BT, BV=state_v,
-        HAS_H0=initial_state is not None,
+        HAS_H0=initial_state is not None, DOT_PREC=prec,
         num_warps=4, num_stages=2 if dt != torch.float32 else 1,
     )
     wrap_triton(_two_key_fwd_output_kernel)[(num_chunks, triton.cdiv(value_dim, block_v), hv)](
         qd, h, rmat, x, o,
         bounds, chunk_seq, chunk_first, num_seqs, scale,
         Hv=hv, K=key_dim, V=value_dim, BT=BT, BK=min(64, key_dim), BV=block_v,
-        num_warps=4, num_stages=2,
+        DOT_PREC=prec, num_warps=4, num_stages=2,
     )
     return (o, final_state, c, qd, kd, wl, tmat, rmat, h, x, chunk_seq, chunk_first)
