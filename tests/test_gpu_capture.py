@@ -74,23 +74,61 @@ def test_cuda_graphs_reduce_overhead(name):
         assert_close(y, layer(x)[0], 2e-2, "CUDA graphs vs eager")
 
 
+_AOTI_SCRIPT = """
+import sys, torch
+import kdn_compile.layers as layers
+name, path = sys.argv[1], sys.argv[2]
+torch.manual_seed(0)
+if name == "control":
+    inner = torch.nn.Linear(256, 256)
+else:
+    inner = {"gdn": layers.GatedDeltaNet, "kda": layers.KimiDeltaAttention,
+             "kdn": layers.DiagKDN}[name](256, 2, 64)
+inner = inner.to("cuda", torch.bfloat16).eval()
+
+class Wrapped(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        y = self.inner(x)
+        return y if name == "control" else y[0]
+
+model = Wrapped()
+x = torch.randn(1, 192, 256, device="cuda", dtype=torch.bfloat16)
+seq = torch.export.Dim("seq", min=2, max=4096)
+with torch.no_grad():
+    program = torch.export.export(model, (x,), dynamic_shapes={"x": {1: seq}})
+    torch._inductor.aoti_compile_and_package(program, package_path=path)
+    loaded = torch._inductor.aoti_load_package(path)
+    x2 = torch.randn(1, 300, 256, device="cuda", dtype=torch.bfloat16)
+    want = model(x2).double()
+    err = float((loaded(x2).double() - want).norm() / want.norm())
+print("relative error", err)
+sys.exit(0 if err < 2e-2 else 1)
+"""
+
+
+def _aoti(name, tmp_path):
+    """Package and load in a child process: a crash in AOTInductor's loader is a result."""
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-c", _AOTI_SCRIPT, name, str(tmp_path / f"{name}.pt2")],
+                          capture_output=True, text=True, timeout=600)
+
+
 @pytest.mark.parametrize("name", list(LAYERS))
 def test_aoti_package_matches_eager(name, tmp_path):
-    layer = _layer(name).eval()
+    """Export with a dynamic length, package with AOTInductor, load, run at another length.
 
-    class Wrapped(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.layer = layer
-
-        def forward(self, x):
-            return self.layer(x)[0]
-
-    x = torch.randn(1, 192, 256, device="cuda", dtype=torch.bfloat16)
-    seq = torch.export.Dim("seq", min=2, max=4096)
-    with torch.no_grad():
-        program = torch.export.export(Wrapped(), (x,), dynamic_shapes={"x": {1: seq}})
-        path = torch._inductor.aoti_compile_and_package(program, package_path=str(tmp_path / f"{name}.pt2"))
-        loaded = torch._inductor.aoti_load_package(path)
-        x2 = torch.randn(1, 300, 256, device="cuda", dtype=torch.bfloat16)
-        assert_close(loaded(x2), layer(x2)[0], 2e-2, "AOTInductor package vs eager")
+    torch 2.11.0+cu130 on the H200 crashed (SIGSEGV) inside ``aoti_load_package`` for a
+    plain ``nn.Linear`` too, so a crashing control skips instead of failing.
+    """
+    control = _aoti("control", tmp_path)
+    if control.returncode < 0:
+        pytest.skip(f"AOTInductor crashes loading a plain nn.Linear here (signal {-control.returncode})")
+    assert control.returncode == 0, control.stderr[-3000:]
+    done = _aoti(name, tmp_path)
+    assert done.returncode == 0, f"rc {done.returncode}: {done.stdout}{done.stderr[-3000:]}"
