@@ -13,6 +13,9 @@ if ls .whl/*.whl > /dev/null 2>&1; then
     python -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl > /dev/null 2>&1 \
         && export PYTHONPATH=/tmp/site
 fi
+# The benchmarks run as scripts from benchmarks/: put the checkout on the path too (a cold
+# machine once failed "import kdn_compile" there, 2026-11-30).
+export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
 stage() {  # name, command...
     local name=$1; shift
     echo "== $name"
