@@ -48,7 +48,9 @@ def _two_key_bwd_state_kernel(
     BT: tl.constexpr, BV: tl.constexpr, HAS_DHT: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     scale = tl.cast(scale, tl.float32)  # Inductor passes Python floats as fp64
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    # One flat grid axis (value tiles fastest): sequences x heads can exceed 65535, the
+    # limit of CUDA's second grid axis.
+    i_v, i_nh = tl.program_id(0) % (V // BV), tl.program_id(0) // (V // BV)
     i_n, i_h = i_nh // Hv, i_nh % Hv
     bos = tl.load(cu_seqlens + i_n).to(tl.int64)
     eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
@@ -333,7 +335,7 @@ def two_key_bwd(
     # 32-wide value tiles: 255 registers and 8 bytes of spill (ptxas, sm_90) against
     # 320 bytes at 64, and twice the programs for the sequential pass.
     state_v = min(32, value_dim)
-    wrap_triton(_two_key_bwd_state_kernel)[(triton.cdiv(value_dim, state_v), num_seqs * hv)](
+    wrap_triton(_two_key_bwd_state_kernel)[(triton.cdiv(value_dim, state_v) * num_seqs * hv,)](
         qd, kd, wl, c, tmat, rmat, dof,
         dht.contiguous() if dht is not None else dh0, dh, dv32, dh0,
         bounds, chunk_first, s_k, s_v, scale,

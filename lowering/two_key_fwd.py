@@ -243,7 +243,9 @@ def _two_key_fwd_state_kernel(
     Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BV: tl.constexpr, HAS_H0: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    # One flat grid axis (value tiles fastest): sequences x heads can exceed 65535, the
+    # limit of CUDA's second grid axis.
+    i_v, i_nh = tl.program_id(0) % (V // BV), tl.program_id(0) // (V // BV)
     i_n, i_h = i_nh // Hv, i_nh % Hv
     bos = tl.load(cu_seqlens + i_n).to(tl.int64)
     eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
@@ -391,7 +393,7 @@ def two_key_fwd(
     # 32-wide value tiles: twice the programs of 64 for the sequential pass and
     # no spills (ptxas, sm_90: 140 registers at BV=32, 236 at BV=64).
     state_v = min(32, value_dim)
-    wrap_triton(_two_key_fwd_state_kernel)[(triton.cdiv(value_dim, state_v), num_seqs * hv)](
+    wrap_triton(_two_key_fwd_state_kernel)[(triton.cdiv(value_dim, state_v) * num_seqs * hv,)](
         wk, u, wl, c, h, x, h0, final_state,
         bounds, chunk_first, s_k, s_v,
         Hv=hv, K=key_dim, V=value_dim, BT=BT, BV=state_v,

@@ -164,7 +164,8 @@ CPU_CASES = [
     ("T63-grouped", (1, 63, 1, 2, 16, 16), None, -1.0, 0.0, True, False),
     ("T65-K32-floor", (1, 65, 1, 1, 32, 16), None, LOG_MEMORY_ALPHA_FLOOR, 0.5, True, False),
     ("T100-V32-nostate", (1, 100, 1, 1, 16, 32), None, -1.0, 0.0, False, False),
-    ("varlen-vfirst", (1, 100, 1, 1, 16, 16), [0, 1, 1, 66, 100], -1.0, 0.0, True, True),
+    # V=64: two 32-wide value tiles per sequence and head in the state kernels
+    ("varlen-vfirst-V64", (1, 100, 1, 2, 16, 64), [0, 1, 1, 66, 100], -1.0, 0.0, True, True),
     ("bound", (1, 40, 1, 1, 16, 16), None, LOG_DECAY_BOUND, 0.5, True, False),
 ]
 

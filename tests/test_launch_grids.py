@@ -1,0 +1,85 @@
+"""Launch grids stay inside CUDA's limits for many short sequences and many heads.
+
+CUDA allows 2**31 - 1 programs on a grid's first axis but only 65535 on the second
+and third. The launchers' host code runs here on CPU tensors with ``wrap_triton``
+replaced by a recorder (no kernel runs), for 2100 packed sequences x 32 value heads
+(67200 sequence-head pairs), forward and backward of every op with kernels.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kdn_compile
+from kdn_compile.lowering import chunk_gdn_bwd, chunk_gdn_fwd, kalman_gain, two_key_bwd, two_key_fwd
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                reason="the kernel path on CPU needs TRITON_INTERPRET=1")
+
+N, HV, K = 2100, 32, 16
+LIMITS = (2**31 - 1, 65535, 65535)
+
+
+@pytest.fixture
+def grids(monkeypatch):
+    seen = []
+
+    def recorder(kernel):
+        class _Launch:
+            def __getitem__(self, grid):
+                seen.append((kernel.fn.__name__, tuple(grid)))
+                return lambda *args, **kwargs: None
+        return _Launch()
+
+    for module in (chunk_gdn_fwd, chunk_gdn_bwd, two_key_fwd, two_key_bwd, kalman_gain):
+        monkeypatch.setattr(module, "wrap_triton", recorder)
+    return seen
+
+
+def _delta_inputs(per_key):
+    gen = torch.Generator().manual_seed(0)
+    q, k = (F.normalize(torch.randn(1, N, 2, K, generator=gen), dim=-1).requires_grad_()
+            for _ in "qk")
+    v = torch.randn(1, N, HV, K, generator=gen).requires_grad_()
+    g = (-torch.rand(1, N, HV, *((K,) if per_key else ()), generator=gen)).requires_grad_()
+    beta = torch.rand(1, N, HV, generator=gen).requires_grad_()
+    return q, k, v, g, beta
+
+
+def _check(grids, families):
+    names = {name for name, _ in grids}
+    for family in families:
+        assert any(family in name for name in names), f"no {family} kernel launched: {names}"
+    for name, grid in grids:
+        for axis, (size, limit) in enumerate(zip(grid, LIMITS)):
+            assert 0 < size <= limit, f"{name}: grid axis {axis} = {size} > {limit}"
+
+
+@pytest.mark.parametrize("fn", [kdn_compile.chunk_gdn, kdn_compile.chunk_kda], ids=["gdn", "kda"])
+def test_many_short_sequences_many_heads(fn, grids):
+    q, k, v, g, beta = _delta_inputs(per_key=fn is kdn_compile.chunk_kda)
+    cu_seqlens = torch.arange(N + 1)
+    with kdn_compile.use_backend("triton"):
+        o, s = fn(q, k, v, g, beta, cu_seqlens=cu_seqlens)
+        torch.autograd.grad(o.sum() + s.sum(), [q, k, v, g, beta])
+    _check(grids, ["fwd", "bwd"])
+
+
+def test_diag_kdn_many_short_sequences(grids):
+    gen = torch.Generator().manual_seed(1)
+    x = {n: torch.randn(1, N, HV, K, generator=gen).requires_grad_()
+         for n in ("q", "k", "v", "log_alpha", "omega")}
+    with torch.no_grad():
+        x["log_alpha"].copy_(-x["log_alpha"].abs())
+    r = torch.rand(1, N, HV, generator=gen).requires_grad_()
+    memory, precision = torch.zeros(N, HV, K, K), torch.ones(N, HV, K)
+    with kdn_compile.use_backend("triton"):
+        out = kdn_compile.diag_kdn(x["q"], x["k"], x["v"], x["log_alpha"], x["omega"], r, memory,
+                                   precision, scale=0.25, info_scale=1.0,
+                                   cu_seqlens=torch.arange(N + 1))
+        torch.autograd.grad(out[0].sum(), [x["q"], x["k"], x["v"]])
+    _check(grids, ["kalman_gain", "two_key"])
