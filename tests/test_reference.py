@@ -181,6 +181,19 @@ def test_diag_kdn_prefill_then_decode_continues():
     assert_close(p1, p, 1e-10, "precision")
 
 
+def test_diag_kdn_reference_validates_like_the_delta_rule_references():
+    # cu_seqlens ending before T used to drop the trailing tokens silently ([1, 6, H, V] out)
+    x = kdn_inputs(B=1, T=9, K=4, V=3, N=2)
+    with pytest.raises(ValueError, match=r"cu_seqlens must start at 0, never decrease and end at T = 9"):
+        ref.diag_kdn_reference(**x, scale=1.0, info_scale=1.0, cu_seqlens=torch.tensor([0, 3, 6]))
+    x = kdn_inputs(B=2, T=9, K=4, V=3)
+    with pytest.raises(ValueError, match=r"with cu_seqlens the batch size must be 1, got B = 2"):
+        ref.diag_kdn_reference(**x, scale=1.0, info_scale=1.0, cu_seqlens=torch.tensor([0, 3, 9]))
+    x["memory"] = x["memory"][:1]
+    with pytest.raises(ValueError, match=r"memory must have shape \(2, 2, 4, 3\), got \(1, 2, 4, 3\)"):
+        ref.diag_kdn_reference(**x, scale=1.0, info_scale=1.0)
+
+
 def test_mask_padding_leaves_state_untouched():
     x = kdn_inputs(B=2, T=12)
     mask = torch.ones(2, 12, dtype=torch.bool)

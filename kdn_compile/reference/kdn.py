@@ -25,6 +25,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from kdn_compile._checks import check_kdn_inputs
 from kdn_compile.reference._common import to_work
 from kdn_compile.reference.delta_rule import two_key_chunk_recurrence
 
@@ -241,9 +242,17 @@ def diag_kdn_reference(
     runs from its own ``memory [N, H, K, V]`` and ``precision [N, H, K]`` row.
     Returns ``(output, memory, precision)``: ``output`` in ``v``'s dtype, the
     state in ``promote_types(dtype, float32)``.
+
+    Raises:
+        ValueError, TypeError: on inconsistent shapes, dtypes or devices, or bad
+            ``cu_seqlens`` (as :func:`kdn_compile.diag_kdn`).
     """
     from kdn_compile.reference._common import segments, work_dtype
 
+    check_kdn_inputs(
+        q, k, v, log_alpha, omega, r, memory, precision, cu_seqlens=cu_seqlens,
+        chunk_size=chunk_size,
+    )
     dtype = work_dtype(q.dtype)
     work = [x.to(dtype) for x in (q, k, v, log_alpha, omega, r)]
     memory, precision = memory.to(dtype), precision.to(dtype)
