@@ -111,6 +111,18 @@ def test_packed_sequences_equal_separate(name):
         assert_states_close({k: v[n : n + 1] for k, v in state2.items()}, s2, 1e-12, name)
 
 
+@pytest.mark.parametrize("name", sorted(LAYERS))
+def test_state_of_another_batch_is_rejected_by_name(name):
+    # used to fail inside torch.cat ("Sizes of tensors must match"), naming no argument
+    layer = make_layer(name)
+    _, state = layer(inputs(2, 6))
+    with pytest.raises(ValueError, match=r'state\["conv"\] must have shape \(1, 3, \d+\), got \(2, 3, \d+\)'):
+        layer(inputs(1, 1), state)
+    _, packed = layer(inputs(1, 9), cu_seqlens=torch.tensor([0, 2, 5, 9]))
+    with pytest.raises(ValueError, match=r'state\["conv"\] must have shape \(2, 3, \d+\), got \(3, 3, \d+\)'):
+        layer(inputs(1, 9), packed, cu_seqlens=torch.tensor([0, 4, 9]))
+
+
 def test_conv_does_not_leak_across_sequences():
     conv = ShortConv(3).double()
     cu = torch.tensor([0, 4, 9])

@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kdn_compile._checks import check_state
+
 
 class ShortConv(nn.Module):
     """Causal depthwise convolution over time followed by SiLU, with a decode cache.
@@ -46,7 +48,13 @@ class ShortConv(nn.Module):
         cache: torch.Tensor | None = None,
         cu_seqlens: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``x [B, T, C]`` -> ``(y [B, T, C], cache [N, kernel_size - 1, C])``."""
+        """``x [B, T, C]`` -> ``(y [B, T, C], cache [N, kernel_size - 1, C])``.
+
+        Raises:
+            ValueError: ``cache`` (a layer's ``state["conv"]``) not of that shape.
+        """
+        rows = x.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+        check_state('state["conv"]', cache, (rows, self.kernel_size - 1, x.shape[-1]))
         if cu_seqlens is None:
             y, cache = self._fixed(x, cache)
         else:
