@@ -112,7 +112,7 @@ def test_packed_sequences_equal_separate(name):
 
 
 @pytest.mark.parametrize("name", sorted(LAYERS))
-def test_state_of_another_batch_is_rejected_by_name(name):
+def test_bad_state_or_input_rank_is_rejected_by_name(name):
     # used to fail inside torch.cat ("Sizes of tensors must match"), naming no argument
     layer = make_layer(name)
     _, state = layer(inputs(2, 6))
@@ -121,6 +121,9 @@ def test_state_of_another_batch_is_rejected_by_name(name):
     _, packed = layer(inputs(1, 9), cu_seqlens=torch.tensor([0, 2, 5, 9]))
     with pytest.raises(ValueError, match=r'state\["conv"\] must have shape \(2, 3, \d+\), got \(3, 3, \d+\)'):
         layer(inputs(1, 9), packed, cu_seqlens=torch.tensor([0, 4, 9]))
+    # an unbatched [T, D] input used to fail inside torch.cat ("same number of dimensions")
+    with pytest.raises(ValueError, match=r"x must be \[B, T, D\] \(3 dims\), got shape \(6, 24\)"):
+        layer(inputs(1, 6)[0])
 
 
 def test_conv_does_not_leak_across_sequences():

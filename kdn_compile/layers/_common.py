@@ -146,7 +146,12 @@ def convolved_qkv(layer: nn.Module, x: torch.Tensor, conv_cache, cu_seqlens, val
     ``layer`` has ``q_proj``, ``k_proj``, ``v_proj``, ``conv``, ``num_heads``,
     ``head_dim`` and ``head_v_dim``. Returns ``(q [B, T, Hk, K], k [B, T, Hk, K],
     v [B, T, value_heads, V], conv_cache)``; q and k are not normalized here.
+
+    Raises:
+        ValueError: ``x`` is not ``[B, T, D]`` (an unbatched ``[T, D]``, say).
     """
+    if x.dim() != 3:
+        raise ValueError(f"x must be [B, T, D] (3 dims), got shape {tuple(x.shape)}")
     qkv = torch.cat((layer.q_proj(x), layer.k_proj(x), layer.v_proj(x)), dim=-1)
     qkv, conv_cache = layer.conv(qkv, conv_cache, cu_seqlens)
     key_width = layer.num_heads * layer.head_dim
