@@ -66,6 +66,16 @@ def test_grouped_value_heads_must_divide():
         GatedDeltaNet(D, 3, 8, num_v_heads=4)
 
 
+@pytest.mark.parametrize("cls", [GatedDeltaNet, KimiDeltaAttention, DiagKDN])
+@pytest.mark.parametrize("bad,name", [({"num_heads": 0}, "num_heads"), ({"head_dim": -8}, "head_dim"),
+                                      ({"conv_size": 1}, "conv_size"), ({"hidden_size": 2.5}, "hidden_size")])
+def test_bad_sizes_are_rejected_by_name(cls, bad, name):
+    sizes = {"hidden_size": D, "num_heads": 2, "head_dim": 8, **bad}
+    kwargs = {"conv_size": sizes.pop("conv_size")} if "conv_size" in sizes else {}
+    with pytest.raises(ValueError, match=f"{name} must be an int >= "):
+        cls(sizes["hidden_size"], sizes["num_heads"], sizes["head_dim"], **kwargs)
+
+
 def test_kda_with_one_decay_per_head_is_gdn():
     # KDA's per-key gate, made equal across each head's K channels, is GDN's scalar gate
     gdn, kda = make_layer("gdn"), KimiDeltaAttention(D, 2, 8, num_v_heads=4, head_v_dim=6,

@@ -118,6 +118,20 @@ class GatedRMSNorm(nn.Module):
         return (normed * self.weight * F.silu(gate.to(normed.dtype))).to(o.dtype)
 
 
+def check_sizes(**sizes: int | None) -> None:
+    """Layer constructor sizes: each given one a positive int (``conv_size`` at least 2).
+
+    Raises:
+        ValueError: naming the first size that is not, and its value.
+    """
+    for name, value in sizes.items():
+        if value is None:
+            continue
+        least = 2 if name == "conv_size" else 1
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
+
+
 def decay_rate_log(heads: int) -> torch.Tensor:
     """``A_log`` init: ``log A`` with ``A ~ U(1, 16)`` per head (the usual Mamba2/GDN range)."""
     return torch.empty(heads).uniform_(1.0, 16.0).log()

@@ -10,6 +10,7 @@ import kdn_compile
 from kdn_compile.layers._common import (
     GatedRMSNorm,
     ShortConv,
+    check_sizes,
     convolved_qkv,
     decay_rate_log,
     heads,
@@ -51,7 +52,8 @@ class GatedDeltaNet(nn.Module):
     sequences stay independent, convolution included.
 
     Raises:
-        ValueError: ``num_v_heads`` not a multiple of ``num_heads``.
+        ValueError: ``num_v_heads`` not a multiple of ``num_heads``, or a size
+            (``hidden_size``, head counts and dims, ``conv_size >= 2``) not a positive int.
     """
 
     gate_per_key = False  # KimiDeltaAttention: one decay per key channel
@@ -69,6 +71,8 @@ class GatedDeltaNet(nn.Module):
         norm_eps: float = 1e-5,
     ):
         super().__init__()
+        check_sizes(hidden_size=hidden_size, num_heads=num_heads, head_dim=head_dim,
+                    num_v_heads=num_v_heads, head_v_dim=head_v_dim, conv_size=conv_size)
         num_v_heads = num_heads if num_v_heads is None else num_v_heads
         head_v_dim = head_dim if head_v_dim is None else head_v_dim
         if num_v_heads % num_heads != 0:

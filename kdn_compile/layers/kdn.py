@@ -6,8 +6,8 @@ import torch
 from torch import nn
 
 import kdn_compile
-from kdn_compile.layers._common import GatedRMSNorm, ShortConv, convolved_qkv, heads, work
-from kdn_compile.layers._common import decay_rate_log, time_step_bias
+from kdn_compile.layers._common import GatedRMSNorm, ShortConv, check_sizes, convolved_qkv, heads
+from kdn_compile.layers._common import decay_rate_log, time_step_bias, work
 from kdn_compile.reference import (
     initial_precision_logit,
     initial_state,
@@ -44,6 +44,10 @@ class DiagKDN(nn.Module):
     by the previous call, ``{"conv": [N, conv_size - 1, 2 * H * K + H * V],
     "memory": [N, H, K, V], "precision": [N, H, K]}`` (memory and precision in
     float32, float64 for float64 inputs).
+
+    Raises:
+        ValueError: a size (``hidden_size``, ``num_heads``, head dims,
+            ``conv_size >= 2``) not a positive int.
     """
 
     def __init__(
@@ -59,6 +63,8 @@ class DiagKDN(nn.Module):
         norm_eps: float = 1e-5,
     ):
         super().__init__()
+        check_sizes(hidden_size=hidden_size, num_heads=num_heads, head_dim=head_dim,
+                    head_v_dim=head_v_dim, conv_size=conv_size)
         head_v_dim = head_dim if head_v_dim is None else head_v_dim
         self.num_heads, self.head_dim, self.head_v_dim = num_heads, head_dim, head_v_dim
         self.info_scale, self.chunk_size = info_scale, chunk_size
