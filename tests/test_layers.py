@@ -131,6 +131,12 @@ def test_bad_state_or_input_rank_is_rejected_by_name(name):
     _, packed = layer(inputs(1, 9), cu_seqlens=torch.tensor([0, 2, 5, 9]))
     with pytest.raises(ValueError, match=r'state\["conv"\] must have shape \(2, 3, \d+\), got \(3, 3, \d+\)'):
         layer(inputs(1, 9), packed, cu_seqlens=torch.tensor([0, 4, 9]))
+    # a recurrent state of another batch (conv cache right) used to be named by the op's argument
+    rec = "memory" if name == "kdn" else "recurrent"
+    wrong = dict(state)
+    wrong["conv"] = state["conv"][:1]
+    with pytest.raises(ValueError, match=rf'state\["{rec}"\] must have shape \(1, '):
+        layer(inputs(1, 1), wrong)
     # an unbatched [T, D] input used to fail inside torch.cat ("same number of dimensions")
     with pytest.raises(ValueError, match=r"x must be \[B, T, D\] \(3 dims\), got shape \(6, 24\)"):
         layer(inputs(1, 6)[0])

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 import kdn_compile
+from kdn_compile._checks import check_state
 from kdn_compile.layers._common import GatedRMSNorm, ShortConv, check_sizes, convolved_qkv, heads
 from kdn_compile.layers._common import decay_rate_log, time_step_bias, work
 from kdn_compile.reference import (
@@ -111,6 +112,9 @@ class DiagKDN(nn.Module):
             )
         else:
             memory, precision = state["memory"], state["precision"]
+            rows, h = conv_cache.shape[0], self.num_heads
+            check_state('state["memory"]', memory, (rows, h, self.head_dim, self.head_v_dim))
+            check_state('state["precision"]', precision, (rows, h, self.head_dim))
         o, memory, precision = kdn_compile.diag_kdn(
             q, k, v, log_alpha, omega, r, memory, precision,
             scale=self.head_dim**-0.5, info_scale=self.info_scale,
