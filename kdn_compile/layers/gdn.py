@@ -55,6 +55,8 @@ class GatedDeltaNet(nn.Module):
     Raises:
         ValueError: ``num_v_heads`` not a multiple of ``num_heads``, or a size
             (``hidden_size``, head counts and dims, ``conv_size >= 2``) not a positive int.
+        ValueError (forward): ``x`` not ``[B, T, D]``, or a ``state`` entry not of the
+            shape this layer returns for these rows (the message names it, e.g. ``state["conv"]``).
     """
 
     gate_per_key = False  # KimiDeltaAttention: one decay per key channel

@@ -49,6 +49,8 @@ class DiagKDN(nn.Module):
     Raises:
         ValueError: a size (``hidden_size``, ``num_heads``, head dims,
             ``conv_size >= 2``) not a positive int.
+        ValueError (forward): ``x`` not ``[B, T, D]``, or a ``state`` entry not of the
+            shape this layer returns for these rows (the message names it, e.g. ``state["conv"]``).
     """
 
     def __init__(
