@@ -3,8 +3,11 @@
 The kernels live in ``lowering/`` at the repository root and install as
 ``kdn_compile.lowering`` (``[tool.setuptools.package-dir]``). Python started in
 the checkout finds ``kdn_compile/`` in the working directory first; depending on
-the setuptools version, the editable install's mapping then never applies. In
-that case load the sibling ``lowering/`` under its installed name.
+the setuptools version, the editable install's mapping then never applies, or it
+points at another checkout (a second worktree of an editable install). So when
+``kdn_compile`` is imported from a checkout (``pyproject.toml`` and ``lowering/``
+beside it), load that checkout's ``lowering/`` under its installed name; an
+installed package keeps its own ``kdn_compile.lowering``.
 """
 
 from __future__ import annotations
@@ -17,11 +20,11 @@ _NAME = "kdn_compile.lowering"
 
 
 def _map_checkout_lowering() -> None:
-    if _NAME in sys.modules or importlib.util.find_spec(_NAME) is not None:
+    if _NAME in sys.modules:
         return
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     init = os.path.join(root, "lowering", "__init__.py")
-    if not os.path.isfile(init):
+    if not (os.path.isfile(init) and os.path.isfile(os.path.join(root, "pyproject.toml"))):
         return
     spec = importlib.util.spec_from_file_location(
         _NAME, init, submodule_search_locations=[os.path.dirname(init)]
