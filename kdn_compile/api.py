@@ -4,7 +4,9 @@ Each is a drop-in for its reference in :mod:`kdn_compile.reference` (same
 arguments, same results) and traces under ``torch.compile(fullgraph=True)`` and
 ``torch.export`` without graph breaks. Which op runs is chosen by the backend
 switch (:func:`kdn_compile.set_backend`): the Triton kernel op (``kdn::<name>``)
-or the exact reference op (``kdn::<name>_reference``).
+or the exact reference op (``kdn::<name>_reference``). ``recurrent_delta_rule``,
+``state_fp8_qdq`` and ``chunk_gdn(..., w_quantizer=...)`` have no kernels yet and
+run their reference ops under every backend.
 """
 
 from __future__ import annotations
@@ -112,10 +114,12 @@ def chunk_gdn(
         ValueError: mismatched batch/length/heads, no heads or ``K == 0``, ``Hv``
             not a multiple of ``Hk``, ``g`` not ``[B, T, Hv]``, ``cu_seqlens``
             with ``B != 1`` or bad values, ``initial_state`` of the wrong shape,
-            bad ``chunk_size``, mixed devices, a ``w_quantizer`` result not of
+            a ``chunk_size`` below 1 or not integral, a ``state_qdq_block_v`` that
+            is not a positive int, mixed devices, a ``w_quantizer`` result not of
             ``W``'s shape.
         TypeError: non-float inputs, mixed q/k/v dtypes, non-integer ``cu_seqlens``,
-            non-bool flags, a non-float ``scale``.
+            a non-numeric ``chunk_size``, non-bool flags, a non-float ``scale``,
+            a ``w_quantizer`` result that is not a float tensor.
 
     Source: the chunked WY form of the gated delta rule (Yang et al., Gated Delta
     Networks, 2024), as specified by :func:`kdn_compile.reference.chunk_gdn_reference`.
@@ -214,11 +218,16 @@ def recurrent_delta_rule(
     """Token-by-token gated delta rule (the decode path): GDN when ``g`` is
     ``[B, T, Hv]``, KDA when ``g`` is ``[B, T, Hv, K]``.
 
+    No kernel yet: this always runs ``kdn::recurrent_delta_rule_reference``,
+    whatever the backend, a Python loop over ``T`` (meant for decode, ``T == 1``).
+
     Args:
-        q, k: ``[B, T, Hk, K]``; v: ``[B, T, Hv, V]``; beta: ``[B, T, Hv]``.
-        g: natural-log decay, ``[B, T, Hv]`` (GDN) or ``[B, T, Hv, K]`` (KDA).
+        q, k: ``[B, T, Hk, K]``; v: ``[B, T, Hv, V]``; beta: ``[B, T, Hv]``;
+            dtypes as :func:`chunk_gdn`.
+        g: natural-log decay (``<= 0``), ``[B, T, Hv]`` (GDN) or ``[B, T, Hv, K]`` (KDA).
         scale: output scale, default ``K ** -0.5``.
-        initial_state: ``[N, Hv, K, V]`` (value-major with ``state_v_first``).
+        initial_state: ``[N, Hv, K, V]`` (value-major with ``state_v_first``),
+            any float dtype; zeros when ``None``.
         cu_seqlens: ``[N + 1]`` packed-sequence boundaries, ``B == 1``.
         state_v_first: states are ``[N, Hv, V, K]``.
 
@@ -258,10 +267,13 @@ def diag_kdn(
     """Diagonal Kalman Delta Network: Kalman gains by a Mobius scan, then the
     two-key delta-rule memory ``S_t = (I - kappa_t k_t^T) diag(alpha_t) S_{t-1} + kappa_t v_t^T``.
 
+    Unlike the delta-rule functions there are no grouped heads (keys and values
+    share ``H``), and ``scale`` and ``info_scale`` have no defaults.
+
     Args:
-        q, k: ``[B, T, H, K]`` (normalized, e.g. by
+        q, k: ``[B, T, H, K]`` float16/bfloat16/float32/float64 (normalized, e.g. by
             :func:`kdn_compile.reference.normalize_query_key`).
-        v: ``[B, T, H, V]``.
+        v: ``[B, T, H, V]``, q's dtype. The other tensors may be any float dtype.
         log_alpha: ``[B, T, H, K]`` natural-log retention; the covariance uses it
             as is, the memory floors it at ``LOG_MEMORY_ALPHA_FLOOR = log(1e-6)``.
         omega: ``[B, T, H, K]`` process noise (``>= 0``).
@@ -269,7 +281,7 @@ def diag_kdn(
         memory: ``[N, H, K, V]`` memory carried in (see
             :func:`kdn_compile.reference.initial_state`).
         precision: ``[N, H, K]`` precision ``1 / p`` (``> 0``) carried in.
-        scale: output scale.
+        scale: output scale (the layer passes ``K ** -0.5``).
         info_scale: weight of the information update ``info_scale * k**2 / r``.
         chunk_size: tokens per chunk (64 for the kernels).
         cu_seqlens: ``[N + 1]`` int32/int64 packed-sequence boundaries, ``B == 1``.
@@ -300,7 +312,8 @@ def state_fp8_qdq(state: torch.Tensor, block_v: int = 64) -> torch.Tensor:
 
     One dynamic scale (``amax / 448``; 1 for an all-zero tile) per
     ``[K, block_v]`` tile, the last tile may be partial; identity
-    (straight-through) gradient. Returns a tensor like ``state``.
+    (straight-through) gradient. Returns a tensor like ``state`` (same shape and
+    dtype). No kernel yet: always ``kdn::state_fp8_qdq_reference``.
 
     Raises:
         TypeError: ``state`` is not a float tensor.

@@ -27,7 +27,8 @@ class DiagKDN(nn.Module):
     :func:`kdn_compile.reference.kalman_noise` to ``log_alpha [B, T, H, K]``,
     ``omega [B, T, H, K]``, ``r [B, T, H]`` and the learned prior precision
     ``[H]``. :func:`kdn_compile.diag_kdn` runs the recurrence (Kalman gain in
-    place of GDN's ``beta``; see ``shared/spec`` for the math), then
+    place of GDN's ``beta``; the math is in the docs' math page and
+    :mod:`kdn_compile.reference.kdn`), then
     ``rmsnorm(o) * silu(gate_proj(x))`` and the output projection.
 
     Args:
