@@ -16,7 +16,8 @@ cd "$(dirname "$0")"
 
 TORCH_PIN="torch==2.13.0"
 TRITON_PIN="triton==3.9.0"
-EXTRA_PINS=("pytest==9.2.0" "expecttest==0.3.0" "sphinx==9.0.4" "tqdm==4.70.1" "numpy")
+# setuptools: the editable install runs without build isolation, and a Python 3.12+ venv has none.
+EXTRA_PINS=("setuptools==84.2.1" "pytest==9.2.0" "expecttest==0.3.0" "sphinx==9.0.4" "tqdm==4.70.1" "numpy")
 
 setup() {
     local torch_ok='import sys, torch; sys.exit(tuple(map(int, torch.__version__.split("+")[0].split(".")[:2])) < (2, 11))'

@@ -42,6 +42,11 @@ def check_same_device(**tensors) -> None:
             )
 
 
+# Default ``chunk_size`` of the input checks: the caller has no chunks (a token loop).
+# A caller's ``chunk_size=None`` is checked like any other value.
+NOT_CHUNKED = object()
+
+
 def check_chunk_size(chunk_size) -> None:
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, (int, float)):
         raise TypeError(f"chunk_size must be a positive int, got {type(chunk_size).__name__}")
@@ -107,7 +112,7 @@ def num_sequences(batch: int, cu_seqlens) -> int:
 
 def check_delta_inputs(
     q, k, v, g, beta, *, initial_state=None, cu_seqlens=None, state_v_first=False,
-    gate: str = "any", chunk_size=None,
+    gate: str = "any", chunk_size=NOT_CHUNKED,
 ) -> None:
     """Validate the arguments of the GDN / KDA functions (see their docstrings).
 
@@ -141,7 +146,7 @@ def check_delta_inputs(
         raise ValueError(f"g must have shape {expected}, got {_shape(g)}")
     if _shape(beta) != scalar:
         raise ValueError(f"beta must have shape {scalar} = [B, T, Hv], got {_shape(beta)}")
-    if chunk_size is not None:
+    if chunk_size is not NOT_CHUNKED:
         check_chunk_size(chunk_size)
     check_cu_seqlens(cu_seqlens, b, q.device, t)
     n = num_sequences(b, cu_seqlens)
@@ -150,7 +155,7 @@ def check_delta_inputs(
 
 
 def check_kdn_inputs(
-    q, k, v, log_alpha, omega, r, memory, precision, *, cu_seqlens=None, chunk_size=None
+    q, k, v, log_alpha, omega, r, memory, precision, *, cu_seqlens=None, chunk_size=NOT_CHUNKED
 ) -> None:
     """Validate the arguments of :func:`kdn_compile.diag_kdn`."""
     for name, t in (("q", q), ("k", k), ("v", v), ("log_alpha", log_alpha), ("omega", omega)):
@@ -174,7 +179,7 @@ def check_kdn_inputs(
         raise ValueError(f"v must be [B={b}, T={t}, H={h}, V], got {_shape(v)}")
     if _shape(r) != (b, t, h):
         raise ValueError(f"r must have shape {(b, t, h)} = [B, T, H], got {_shape(r)}")
-    if chunk_size is not None:
+    if chunk_size is not NOT_CHUNKED:
         check_chunk_size(chunk_size)
     check_cu_seqlens(cu_seqlens, b, q.device, t)
     n = num_sequences(b, cu_seqlens)

@@ -29,6 +29,7 @@ BAD_GDN = [
     ("chunk_size", 0, ValueError, r"chunk_size must be a positive finite int, got 0"),
     ("chunk_size", float("inf"), ValueError, r"chunk_size must be a positive finite int, got inf"),
     ("chunk_size", "64", TypeError, r"chunk_size must be a positive int, got str"),
+    ("chunk_size", None, TypeError, r"chunk_size must be a positive int, got NoneType"),
     ("state_qdq_block_v", 0, ValueError, r"state_qdq_block_v must be a positive int, got 0"),
     ("scale", "1", TypeError, r"scale must be a float or None, got str"),
     ("cu_seqlens", torch.tensor([0, 8]), ValueError, r"with cu_seqlens the batch size must be 1, got B = 2"),
@@ -116,6 +117,13 @@ def test_zero_heads_flags_and_scalars():
     z = kdn_inputs(T=5, K=4, V=3)
     with pytest.raises(TypeError, match=r"scale must be a float, got NoneType"):
         kdn_compile.diag_kdn(**z, scale=None, info_scale=1.0)
+    # chunk_size=None used to fail inside int(None), naming no argument
+    with pytest.raises(TypeError, match=r"chunk_size must be a positive int, got NoneType"):
+        kdn_compile.diag_kdn(**z, scale=1.0, info_scale=1.0, chunk_size=None)
+    w = delta_inputs(T=4, K=4, V=3)
+    w["g"] = w["g"][..., None].expand(-1, -1, -1, 4).contiguous()
+    with pytest.raises(TypeError, match=r"chunk_size must be a positive int, got NoneType"):
+        kdn_compile.chunk_kda(**w, chunk_size=None)
     z["v"] = z["v"].float()
     with pytest.raises(TypeError, match=r"q, k, v must share a dtype"):
         kdn_compile.diag_kdn(**z, scale=1.0, info_scale=1.0)
