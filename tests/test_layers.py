@@ -68,10 +68,11 @@ def test_grouped_value_heads_must_divide():
 
 @pytest.mark.parametrize("cls", [GatedDeltaNet, KimiDeltaAttention, DiagKDN])
 @pytest.mark.parametrize("bad,name", [({"num_heads": 0}, "num_heads"), ({"head_dim": -8}, "head_dim"),
-                                      ({"conv_size": 1}, "conv_size"), ({"hidden_size": 2.5}, "hidden_size")])
+                                      ({"conv_size": 1}, "conv_size"), ({"hidden_size": 2.5}, "hidden_size"),
+                                      ({"chunk_size": 0}, "chunk_size")])
 def test_bad_sizes_are_rejected_by_name(cls, bad, name):
     sizes = {"hidden_size": D, "num_heads": 2, "head_dim": 8, **bad}
-    kwargs = {"conv_size": sizes.pop("conv_size")} if "conv_size" in sizes else {}
+    kwargs = {n: sizes.pop(n) for n in ("conv_size", "chunk_size") if n in sizes}
     with pytest.raises(ValueError, match=f"{name} must be an int >= "):
         cls(sizes["hidden_size"], sizes["num_heads"], sizes["head_dim"], **kwargs)
 

@@ -43,7 +43,7 @@ class GatedDeltaNet(nn.Module):
         head_v_dim: value width ``V`` per head (default ``head_dim``).
         conv_size: taps of the short convolution (default 4).
         chunk_size: chunk length of the chunked recurrence (default 64).
-        norm_eps: epsilon of the output RMSNorm.
+        norm_eps: epsilon of the output RMSNorm (default 1e-5).
 
     ``forward(x, state=None, cu_seqlens=None) -> (y, state)``: ``state`` is
     ``None`` (start of sequence) or the dict returned by the previous call,
@@ -54,7 +54,8 @@ class GatedDeltaNet(nn.Module):
 
     Raises:
         ValueError: ``num_v_heads`` not a multiple of ``num_heads``, or a size
-            (``hidden_size``, head counts and dims, ``conv_size >= 2``) not a positive int.
+            (``hidden_size``, head counts and dims, ``chunk_size``, ``conv_size >= 2``) not a
+            positive int.
         ValueError (forward): ``x`` not ``[B, T, D]``, or a ``state`` entry not of the
             shape this layer returns for these rows (the message names it, e.g. ``state["conv"]``).
     """
@@ -75,7 +76,8 @@ class GatedDeltaNet(nn.Module):
     ):
         super().__init__()
         check_sizes(hidden_size=hidden_size, num_heads=num_heads, head_dim=head_dim,
-                    num_v_heads=num_v_heads, head_v_dim=head_v_dim, conv_size=conv_size)
+                    num_v_heads=num_v_heads, head_v_dim=head_v_dim, conv_size=conv_size,
+                    chunk_size=chunk_size)
         num_v_heads = num_heads if num_v_heads is None else num_v_heads
         head_v_dim = head_dim if head_v_dim is None else head_v_dim
         if num_v_heads % num_heads != 0:

@@ -39,7 +39,7 @@ class DiagKDN(nn.Module):
         info_scale: weight of each observation in the precision update (default 1).
         conv_size: taps of the short convolution (default 4).
         chunk_size: chunk length of the chunked memory recurrence (default 64).
-        norm_eps: epsilon of the output RMSNorm.
+        norm_eps: epsilon of the output RMSNorm (default 1e-5).
 
     ``forward(x, state=None, cu_seqlens=None) -> (y, state)``: ``state`` is
     ``None`` (start: zero memory, learned prior precision) or the dict returned
@@ -48,7 +48,7 @@ class DiagKDN(nn.Module):
     float32, float64 for float64 inputs).
 
     Raises:
-        ValueError: a size (``hidden_size``, ``num_heads``, head dims,
+        ValueError: a size (``hidden_size``, ``num_heads``, head dims, ``chunk_size``,
             ``conv_size >= 2``) not a positive int.
         ValueError (forward): ``x`` not ``[B, T, D]``, or a ``state`` entry not of the
             shape this layer returns for these rows (the message names it, e.g. ``state["conv"]``).
@@ -68,7 +68,7 @@ class DiagKDN(nn.Module):
     ):
         super().__init__()
         check_sizes(hidden_size=hidden_size, num_heads=num_heads, head_dim=head_dim,
-                    head_v_dim=head_v_dim, conv_size=conv_size)
+                    head_v_dim=head_v_dim, conv_size=conv_size, chunk_size=chunk_size)
         head_v_dim = head_dim if head_v_dim is None else head_v_dim
         self.num_heads, self.head_dim, self.head_v_dim = num_heads, head_dim, head_v_dim
         self.info_scale, self.chunk_size = info_scale, chunk_size
