@@ -2,9 +2,22 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import torch
+
+
+def _triton_installed() -> bool:
+    try:
+        return importlib.util.find_spec("triton") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+# Without Triton (macOS, Windows, a bare CPU install) the kernels are not even
+# imported and every op runs its reference.
+TRITON = _triton_installed()
 
 
 def _tracing(x: torch.Tensor) -> bool:
@@ -21,11 +34,14 @@ def _tracing(x: torch.Tensor) -> bool:
 def can_launch(x: torch.Tensor) -> bool:
     """True when Triton kernels can run on ``x``'s device in this context.
 
+    Never without Triton installed.
     On CUDA always (fake tensors included: ``wrap_triton`` traces them). On the
     CPU only eagerly under ``TRITON_INTERPRET=1`` and not for bfloat16:
     interpreted kernels cannot be traced with fake tensors, so tracing on the
     CPU takes the reference.
     """
+    if not TRITON:
+        return False
     if x.device.type == "cuda":
         return True
     return (

@@ -19,12 +19,14 @@ import torch
 from torch import Tensor
 
 from kdn_compile import reference as ref
-from kdn_compile.lowering.chunk_gdn_bwd import chunk_gdn_bwd
-from kdn_compile.lowering.chunk_gdn_fwd import chunk_gdn_fwd, gdn_kernel_supports
-from kdn_compile.ops._dispatch import can_launch
+from kdn_compile.ops._dispatch import TRITON, can_launch
 from kdn_compile.ops._registry import FamilyOps
 from kdn_compile.ops._shapes import empty_state
 from kdn_compile.reference._common import work_dtype
+
+if TRITON:  # else every op takes its reference (see _dispatch.TRITON)
+    from kdn_compile.lowering.chunk_gdn_bwd import chunk_gdn_bwd
+    from kdn_compile.lowering.chunk_gdn_fwd import chunk_gdn_fwd, gdn_kernel_supports
 
 
 def _chunk_gdn_signature(

@@ -16,12 +16,14 @@ import torch
 from torch import Tensor
 
 from kdn_compile import reference as ref
-from kdn_compile.lowering.two_key_bwd import two_key_bwd
-from kdn_compile.lowering.two_key_common import LOG_DECAY_BOUND, two_key_kernel_supports
-from kdn_compile.lowering.two_key_fwd import two_key_fwd
-from kdn_compile.ops._dispatch import can_launch
+from kdn_compile.ops._dispatch import TRITON, can_launch
 from kdn_compile.ops._registry import FamilyOps
 from kdn_compile.ops._shapes import empty_state
+
+if TRITON:  # else every op takes its reference (see _dispatch.TRITON)
+    from kdn_compile.lowering.two_key_bwd import two_key_bwd
+    from kdn_compile.lowering.two_key_common import LOG_DECAY_BOUND, two_key_kernel_supports
+    from kdn_compile.lowering.two_key_fwd import two_key_fwd
 
 
 def _chunk_kda_signature(

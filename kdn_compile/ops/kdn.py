@@ -15,17 +15,19 @@ import torch
 from torch import Tensor
 
 from kdn_compile import reference as ref
-from kdn_compile.lowering.kalman_gain import (
-    kalman_gain_bwd,
-    kalman_gain_fwd,
-    kalman_gain_kernel_supports,
-)
-from kdn_compile.lowering.two_key_bwd import two_key_bwd
-from kdn_compile.lowering.two_key_common import two_key_kernel_supports
-from kdn_compile.lowering.two_key_fwd import two_key_fwd
-from kdn_compile.ops._dispatch import _tracing, can_launch
+from kdn_compile.ops._dispatch import TRITON, _tracing, can_launch
 from kdn_compile.ops._registry import FamilyOps
 from kdn_compile.reference._common import segments, work_dtype
+
+if TRITON:  # else every op takes its reference (see _dispatch.TRITON)
+    from kdn_compile.lowering.kalman_gain import (
+        kalman_gain_bwd,
+        kalman_gain_fwd,
+        kalman_gain_kernel_supports,
+    )
+    from kdn_compile.lowering.two_key_bwd import two_key_bwd
+    from kdn_compile.lowering.two_key_common import two_key_kernel_supports
+    from kdn_compile.lowering.two_key_fwd import two_key_fwd
 
 
 def _diag_kdn_signature(

@@ -1,7 +1,7 @@
 """Exact, differentiable PyTorch references: the oracles and the fallback of every op.
 
-Written in PyTorch only, independent of the kernels (importing them still imports
-the package, and with it Triton). Gates are natural logarithms;
+Written in PyTorch only, independent of the kernels (the package imports without
+Triton; every op then runs these). Gates are natural logarithms;
 q and k arrive normalized. Packed-sequence boundaries (``cu_seqlens``) are read
 on the CPU. Accumulation is in ``promote_types(dtype, float32)`` (float64 for
 algebra tests).
