@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kdn_compile._checks import check_state
+from kdn_compile._checks import check_state, num_sequences
 
 
 class ShortConv(nn.Module):
@@ -53,7 +53,7 @@ class ShortConv(nn.Module):
         Raises:
             ValueError: ``cache`` (a layer's ``state["conv"]``) not of that shape.
         """
-        rows = x.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+        rows = num_sequences(x.shape[0], cu_seqlens)
         check_state('state["conv"]', cache, (rows, self.kernel_size - 1, x.shape[-1]))
         if cu_seqlens is None:
             y, cache = self._fixed(x, cache)

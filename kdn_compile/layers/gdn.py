@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import kdn_compile
-from kdn_compile._checks import check_state
+from kdn_compile._checks import check_state, num_sequences
 from kdn_compile.layers._common import (
     GatedRMSNorm,
     ShortConv,
@@ -127,8 +127,9 @@ class GatedDeltaNet(nn.Module):
         conv_cache = None if state is None else state["conv"]
         recurrent = None if state is None else state["recurrent"]
         q, k, v, conv_cache = convolved_qkv(self, x, conv_cache, cu_seqlens, self.num_v_heads)
-        check_state('state["recurrent"]', recurrent, (conv_cache.shape[0], self.num_v_heads,
-                                                      self.head_dim, self.head_v_dim))
+        rows = num_sequences(x.shape[0], cu_seqlens)
+        check_state('state["recurrent"]', recurrent,
+                    (rows, self.num_v_heads, self.head_dim, self.head_v_dim))
         q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
         g = self.decay(x)
         beta = self.b_proj(x).sigmoid()

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 import kdn_compile
-from kdn_compile._checks import check_state
+from kdn_compile._checks import check_state, num_sequences
 from kdn_compile.layers._common import GatedRMSNorm, ShortConv, check_sizes, convolved_qkv, heads
 from kdn_compile.layers._common import decay_rate_log, time_step_bias, work
 from kdn_compile.reference import (
@@ -108,14 +108,14 @@ class DiagKDN(nn.Module):
             self.dt_bias,
             self.initial_precision_param,
         )
+        rows = num_sequences(x.shape[0], cu_seqlens)
         if state is None:
-            rows = x.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
             memory, precision = initial_state(
                 prior.to(v.dtype), batch_size=rows, key_dim=self.head_dim, value_dim=self.head_v_dim
             )
         else:
             memory, precision = state["memory"], state["precision"]
-            rows, h = conv_cache.shape[0], self.num_heads
+            h = self.num_heads
             check_state('state["memory"]', memory, (rows, h, self.head_dim, self.head_v_dim))
             check_state('state["precision"]', precision, (rows, h, self.head_dim))
         o, memory, precision = kdn_compile.diag_kdn(
