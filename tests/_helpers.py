@@ -61,3 +61,28 @@ def kdn_inputs(B=2, T=29, H=2, K=8, V=6, *, dtype=torch.float64, requires_grad=F
         "memory": 0.5 * r(N, H, K, V), "precision": prior.abs()[None, :, None].expand(N, H, K) + 0.1 * torch.rand(N, H, K, generator=gen, dtype=torch.float64),
     }
     return {n: t.to(dtype).contiguous().requires_grad_(requires_grad) for n, t in x.items()}
+
+
+LAUNCHER_MODULES = ("chunk_gdn_fwd", "chunk_gdn_bwd", "two_key_fwd", "two_key_bwd", "kalman_gain")
+
+
+def launcher_modules():
+    """The ``kdn_compile.lowering`` modules that call ``wrap_triton``."""
+    import importlib
+
+    return [importlib.import_module(f"kdn_compile.lowering.{name}") for name in LAUNCHER_MODULES]
+
+
+def launch_recorder(sink: list):
+    """A stand-in for ``wrap_triton``: each launch appends ``(kernel, grid, args, kwargs)``
+    to ``sink`` and runs nothing (the launcher's host code still runs)."""
+
+    def wrap(kernel):
+        class _Launch:
+            def __getitem__(self, grid):
+                def launch(*args, **kwargs):
+                    sink.append((kernel, tuple(grid), args, kwargs))
+                return launch
+        return _Launch()
+
+    return wrap

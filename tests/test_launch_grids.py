@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import kdn_compile
-from kdn_compile.lowering import chunk_gdn_bwd, chunk_gdn_fwd, kalman_gain, two_key_bwd, two_key_fwd
+from _helpers import launch_recorder, launcher_modules
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="the kernel path on CPU needs TRITON_INTERPRET=1")
@@ -26,18 +26,10 @@ LIMITS = (2**31 - 1, 65535, 65535)
 
 @pytest.fixture
 def grids(monkeypatch):
-    seen = []
-
-    def recorder(kernel):
-        class _Launch:
-            def __getitem__(self, grid):
-                seen.append((kernel.fn.__name__, tuple(grid)))
-                return lambda *args, **kwargs: None
-        return _Launch()
-
-    for module in (chunk_gdn_fwd, chunk_gdn_bwd, two_key_fwd, two_key_bwd, kalman_gain):
-        monkeypatch.setattr(module, "wrap_triton", recorder)
-    return seen
+    launches = []
+    for module in launcher_modules():
+        monkeypatch.setattr(module, "wrap_triton", launch_recorder(launches))
+    return launches
 
 
 def _delta_inputs(per_key):
@@ -51,10 +43,11 @@ def _delta_inputs(per_key):
 
 
 def _check(grids, families):
-    names = {name for name, _ in grids}
+    names = {kernel.fn.__name__ for kernel, *_ in grids}
     for family in families:
         assert any(family in name for name in names), f"no {family} kernel launched: {names}"
-    for name, grid in grids:
+    for kernel, grid, *_ in grids:
+        name = kernel.fn.__name__
         for axis, (size, limit) in enumerate(zip(grid, LIMITS)):
             assert 0 < size <= limit, f"{name}: grid axis {axis} = {size} > {limit}"
 
