@@ -8,7 +8,11 @@ state and the final state returned:
 * forward + backward of a random output gradient: ours adds :func:`two_key_bwd`
   and the ``beta`` chain rule (``dbeta = sum(dw k)``, ``dk += beta dw``); FLA
   through autograd; "op" is ``kdn_compile.chunk_kda`` through autograd (its
-  backward reuses the tensors that its forward saved).
+  backward reuses the tensors that its forward saved);
+* Diag-KDN: ``kdn_compile.diag_kdn`` (Kalman gains, then the same two-key
+  memory kernels) forward and forward + backward through autograd, on the same
+  ``q, k, v`` with ``log_alpha = g``, random ``omega``, ``r``, memory and
+  precision (issue 4 bounds its forward + backward by 1.25x KDA's).
 
 Before timing, checks that both agree on the output (relative error printed).
 Prints a markdown table and, when ``$OUT`` is set, writes the rows as JSON there.
@@ -59,6 +63,16 @@ def ours_fwd_bwd(q, k, v, g, beta, h0, scale, do):
     return dq, dk, dv, dg, dbeta, dh0
 
 
+def diag_kdn_inputs(q, k, v, g, h0):
+    """Leaves ``(q, k, v, log_alpha, omega, r, memory, precision)`` of ``diag_kdn``."""
+    B, T, H, K = k.shape
+    omega = 0.1 * torch.rand(B, T, H, K, device=k.device)
+    r = 0.5 + torch.rand(B, T, H, device=k.device)
+    precision = 1.0 + torch.rand(B, H, K, device=k.device)
+    return [t.detach().clone().requires_grad_()
+            for t in (q, k, v, g, omega, r, h0, precision)]
+
+
 def bench(fn):
     return triton.testing.do_bench(fn, warmup=50, rep=200, return_mode="median")
 
@@ -95,6 +109,16 @@ def main() -> None:
             torch.autograd.backward([out], [do])
 
         row["op_fwd_bwd"] = bench(op_fwd_bwd)
+        kdn_leaves = diag_kdn_inputs(q, k, v, g, h0)
+
+        def kdn_fwd():
+            return kdn_compile.diag_kdn(*kdn_leaves, scale=scale, info_scale=1.0)
+
+        def kdn_fwd_bwd():
+            torch.autograd.backward([kdn_fwd()[0]], [do])
+
+        row["kdn_fwd"] = bench(kdn_fwd)
+        row["kdn_fwd_bwd"] = bench(kdn_fwd_bwd)
         if chunk_kda is not None:
             o_fla, s_fla = chunk_kda(q, k, v, g, beta, scale=scale, initial_state=h0,
                                      output_final_state=True)
@@ -135,13 +159,15 @@ def main() -> None:
     print(f"\n{meta['date']}, {meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}; "
           "K = V = 128, bf16, ms (do_bench median)")
     print("| B x T x H | FLA fwd | ours fwd | ratio | FLA fwd+bwd | ours fwd+bwd | ratio |"
-          " op fwd+bwd | o vs FLA |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          " op fwd+bwd | o vs FLA | Diag-KDN fwd | Diag-KDN fwd+bwd | / op fwd+bwd |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         fla_f, fla_fb = r.get("fla_fwd", float("nan")), r.get("fla_fwd_bwd", float("nan"))
         print(f"| {r['shape']} | {fla_f:.3f} | {r['ours_fwd']:.3f} | {r['ours_fwd'] / fla_f:.2f} "
               f"| {fla_fb:.3f} | {r['ours_fwd_bwd']:.3f} | {r['ours_fwd_bwd'] / fla_fb:.2f} "
-              f"| {r['op_fwd_bwd']:.3f} | {r.get('o_vs_fla', float('nan')):.1e} |")
+              f"| {r['op_fwd_bwd']:.3f} | {r.get('o_vs_fla', float('nan')):.1e} "
+              f"| {r['kdn_fwd']:.3f} | {r['kdn_fwd_bwd']:.3f} "
+              f"| {r['kdn_fwd_bwd'] / r['op_fwd_bwd']:.2f} |")
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "bench_kda.json"), "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)

@@ -1,46 +1,102 @@
 #!/usr/bin/env bash
-# One call on the GPU machine: install, every CUDA test, then the benchmarks, each
-# with its full log under $OUT (the call's reply keeps only the tail). Run from the
-# repository root with the FLA wheels carried in .whl/ (see docs/benchmarks.md).
-#   bash benchmarks/gpu_suite.sh [seconds per stage, default 150]
-# Compiling the kernels took most of each stage on a cold machine (2026-11-30), and every
-# call may get a cold one. So the Triton and Inductor caches come back as
-# $OUT/gpu-cache.tar.gz; put that file in .gpu-cache/ here and carry .gpu-cache (and
-# .whl) on the next call: the suite unpacks it and compiles only what changed.
+# One call on the GPU machine: install, the CUDA tests, then the benchmarks. Run from the
+# repository root with the FLA wheels carried in .whl/ (see docs/benchmarks.md):
+#   [TESTS="gdn two_key gain capture"] [BENCHES="gdn kda layers"] [LAYERS=gdn,kda,kdn] \
+#   [EXTRA=<dir> EXTRA_BENCH="--sweep"] bash benchmarks/gpu_suite.sh [total seconds, 570]
+# What comes back under $OUT: summary.txt (one line per stage and per test), logs.tar.gz
+# (every log) and the benchmarks' JSON: the device tool returns only a few files.
+#
+# Lessons of 2026-11-30: compiling took most of each call (every call starts cold; the
+# Triton + Inductor caches, 90 MB packed, are too large to come back), and one illegal
+# memory access failed every later test of its process. So:
+# * every test runs in its own process (-p sync_launches: a synchronize after each kernel
+#   names the one that failed), many at a time: each compiles on its own CPU core, and
+#   the tests put little load on the GPU;
+# * small-shape runs of the benchmarks, concurrent with the tests, compile the kernel
+#   variants of the timed runs (tiles depend on batch and heads, not on T);
+# * the timed benchmarks then run one at a time, alone on the GPU.
+# EXTRA=<dir>: another checkout inside this one (a branch); its GDN kernel tests and
+# bench_gdn.py (with $EXTRA_BENCH) run too, with its own kdn_compile first on the path.
 set -uo pipefail
-limit=${1:-150}
+total=${1:-570}
+start=$SECONDS
 out=${OUT:-/tmp/gpu_suite}
-mkdir -p "$out"
+logs=/tmp/gpu_suite_logs
+mkdir -p "$out" "$logs"
+summary=$out/summary.txt
 export PYTHONUNBUFFERED=1
-cache=/tmp/gpu-cache
-mkdir -p "$cache"
-[ -f .gpu-cache/gpu-cache.tar.gz ] && tar xzf .gpu-cache/gpu-cache.tar.gz -C "$cache"
-export TRITON_CACHE_DIR=$cache/triton TORCHINDUCTOR_CACHE_DIR=$cache/inductor
-pip install -q --no-deps --no-build-isolation -e . > "$out/pip.log" 2>&1 || tail "$out/pip.log"
+pip install -q --no-deps --no-build-isolation -e . > "$logs/pip.log" 2>&1 || tail "$logs/pip.log"
+site=
 if ls .whl/*.whl > /dev/null 2>&1; then
     python -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl > /dev/null 2>&1 \
-        && export PYTHONPATH=/tmp/site
+        && site=/tmp/site
 fi
-# The benchmarks run as scripts from benchmarks/: put the checkout on the path too (a cold
-# machine once failed "import kdn_compile" there, 2026-11-30).
-export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
-stage() {  # name, command...
-    local name=$1; shift
-    echo "== $name"
-    timeout "$limit" "$@" > "$out/$name.log" 2>&1
-    echo "   rc=$? ($(tail -n 1 "$out/$name.log"))"
+root=$PWD
+left() { echo $(( total - 15 - (SECONDS - start) )); }  # 15 s to pack the logs
+note() { echo "$*" | tee -a "$summary"; }
+stage() {  # name, limit, command... (in the current directory, with its PYTHONPATH)
+    local name=$1 limit=$2; shift 2
+    [ "$limit" -gt "$(left)" ] && limit=$(left)
+    if [ "$limit" -le 5 ]; then note "== $name: no time left"; return; fi
+    timeout "$limit" "$@" > "$logs/$name.log" 2>&1
+    note "== $name rc=$? after $((SECONDS - start)) s ($(tail -n 1 "$logs/$name.log"))"
 }
-stage capture python -m pytest -q -p no:cacheprovider -rf tests/test_gpu_capture.py
-stage two_key python -m pytest -q -p no:cacheprovider -rf tests/test_two_key_kernels.py
-stage gdn python -m pytest -q -p no:cacheprovider -rf tests/test_gdn_kernels.py
-stage gain python -m pytest -q -p no:cacheprovider -rf tests/test_kalman_gain_kernels.py
-stage bench_layers python benchmarks/bench_layers.py --layers gdn,kda,kdn
-stage bench_gdn python benchmarks/bench_gdn.py
-stage bench_kda python benchmarks/bench_kda.py
-grep -h -A3 "^FAILED\|Error" "$out"/*.log | head -60
-# Files come back up to 16 MiB each: keep the Triton cache alone if both are larger.
-tar czf "$out/gpu-cache.tar.gz" -C "$cache" . 2> /dev/null
-if [ "$(stat -c %s "$out/gpu-cache.tar.gz")" -gt 16000000 ]; then
-    tar czf "$out/gpu-cache.tar.gz" -C "$cache" triton
+isolated() {  # name, limit, test file: each test in its own process, 4 at a time
+    local name=$1 limit=$2 file=$3
+    mkdir -p "$logs/$name"
+    python -m pytest -q -p no:cacheprovider --collect-only "$file" 2> /dev/null | grep "::" \
+        > "$logs/$name/ids"
+    export ISO_LIMIT=$limit ISO_DIR=$logs/$name
+    # shellcheck disable=SC2016
+    xargs -P 4 -d '\n' -I{} bash -c 'id="$1"; log="$ISO_DIR/$(echo "$id" | md5sum | cut -c1-8).log"
+        timeout "$ISO_LIMIT" python -m pytest -q -p no:cacheprovider -p sync_launches -rf "$id" \
+            > "$log" 2>&1; echo "rc=$? $id: $(tail -n 1 "$log")"' _ {} < "$logs/$name/ids" \
+        > "$logs/$name/results"
+    note "== $name after $((SECONDS - start)) s: $(grep -c 'rc=0 ' "$logs/$name/results") of" \
+         "$(wc -l < "$logs/$name/ids") passed"
+    grep -v "rc=0 " "$logs/$name/results" | sed 's/^/   /' | tee -a "$summary"
+    cat "$logs/$name"/*.log > "$logs/$name.log" 2> /dev/null
+}
+checkout() {  # dir: run the rest of the line with that checkout first on the path
+    cd "$1" && export PYTHONPATH=${site:+$site:}$PWD:$root/benchmarks
+}
+checkout "$root"
+tests_limit=$(( $(left) * 35 / 100 ))
+small_gdn="8x128x16x16,1x128x16x16,4x128x16x32"
+for t in ${TESTS:-gdn two_key gain capture}; do
+    case $t in
+        capture) stage capture "$tests_limit" python -m pytest -q -p no:cacheprovider -rf \
+                     tests/test_gpu_capture.py & ;;
+        gain) isolated gain "$tests_limit" tests/test_kalman_gain_kernels.py & ;;
+        *) isolated "$t" "$tests_limit" "tests/test_${t}_kernels.py" & ;;
+    esac
+done
+for b in ${BENCHES:-gdn kda layers}; do
+    case $b in
+        gdn) stage warm_gdn "$tests_limit" env OUT= python benchmarks/bench_gdn.py \
+                 --shapes "$small_gdn" & ;;
+        kda) stage warm_kda "$tests_limit" env OUT= python benchmarks/bench_kda.py \
+                 --shapes 8x128x16,1x128x16 & ;;
+    esac
+done
+if [ -n "${EXTRA:-}" ]; then
+    ( checkout "$EXTRA" && isolated extra_gdn "$tests_limit" tests/test_gdn_kernels.py ) &
+    ( checkout "$EXTRA" && stage extra_warm_gdn "$tests_limit" env OUT= python \
+          benchmarks/bench_gdn.py ${EXTRA_BENCH:-} --shapes "$small_gdn" ) &
 fi
-echo "cache: $(du -h "$out/gpu-cache.tar.gz" | cut -f1) in gpu-cache.tar.gz"
+wait
+if [ -n "${EXTRA:-}" ]; then
+    ( checkout "$EXTRA" && mkdir -p "$out/extra" && stage extra_bench_gdn 200 \
+          env OUT="$out/extra" python benchmarks/bench_gdn.py ${EXTRA_BENCH:-} )
+fi
+for b in ${BENCHES:-gdn kda layers}; do
+    case $b in
+        layers) stage bench_layers 300 python benchmarks/bench_layers.py \
+                    --layers "${LAYERS:-gdn,kda,kdn}" ;;
+        *) stage "bench_$b" 150 python "benchmarks/bench_$b.py" ;;
+    esac
+done
+grep -h -B2 -A12 "CUDA error in\|^E   .*[Ee]rror" "$logs"/*.log 2> /dev/null | head -150 \
+    > "$out/errors.txt"
+tar czf "$out/logs.tar.gz" -C "$logs" . 2> /dev/null
+note "done after $((SECONDS - start)) s"
