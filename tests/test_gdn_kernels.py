@@ -133,15 +133,23 @@ def test_kernels_match_reference_fp16():
     wrong (Triton 3.9 on torch 2.13 CPU), so bf16 is checked on the GPU only."""
     device = "cuda" if CUDA else "cpu"
     cu_seqlens = torch.tensor([0, 30, 100], dtype=torch.int32, device=device)
-    x = _inputs(1, 100, 1, 2, 32, 16, N=2, dtype=torch.float16, device=device, seed=7)
+    x = _inputs(1, 100, 1, 2, 64, 64, N=2, dtype=torch.float16, device=device, seed=7)
     _check(x, cu_seqlens, state_v_first=False, tol=1e-2)
 
 
 def test_supports():
-    x = _inputs(1, 8, 1, 2, 16, 32, N=1, dtype=torch.bfloat16, device="cpu", seed=0)
+    x = _inputs(1, 8, 1, 2, 64, 128, N=1, dtype=torch.bfloat16, device="cpu", seed=0)
     args = [x[n] for n in ("q", "k", "v", "g", "beta", "initial_state")] + [None]
     assert gdn_kernel_supports(*args, 64)
     assert not gdn_kernel_supports(*args, 32)
+    # half inputs: head dims 64 and 128 only (others failed on the H200, see the docstring)
+    for dims in ((32, 16), (256, 256), (128, 256)):
+        h = _inputs(1, 8, 1, 1, *dims, N=1, dtype=torch.float16, device="cpu", seed=0)
+        assert not gdn_kernel_supports(*[h[n] for n in GRADS], None, 64), dims
+    f = _inputs(1, 8, 1, 1, 16, 32, N=1, dtype=torch.float32, device="cpu", seed=0)
+    assert gdn_kernel_supports(*[f[n] for n in GRADS], None, 64)
+    f = _inputs(1, 8, 1, 1, 256, 256, N=1, dtype=torch.float32, device="cpu", seed=0)
+    assert not gdn_kernel_supports(*[f[n] for n in GRADS], None, 64)
     y = _inputs(1, 8, 1, 1, 24, 32, N=1, dtype=torch.float32, device="cpu", seed=0)
     assert not gdn_kernel_supports(*[y[n] for n in GRADS], None, 64)
     z = _inputs(1, 8, 1, 1, 16, 16, N=1, dtype=torch.float64, device="cpu", seed=0)
@@ -161,8 +169,8 @@ GPU_CASES = [
                  id="bf16-varlen-strong-gates"),
     pytest.param(*FP32, 1, 3000, 2, 2, 64, 64, [0, 5, 700, 701, 2999, 3000], 20.0,
                  id="fp32-varlen-strong-gates"),
-    pytest.param(*BF16, 1, 300, 1, 1, 256, 256, None, 1.0, id="bf16-K256"),
-    pytest.param(*FP32, 1, 300, 1, 1, 256, 256, None, 1.0, id="fp32-K256"),
+    pytest.param(*BF16, 1, 300, 1, 1, 64, 128, None, 1.0, id="bf16-K64-V128"),
+    pytest.param(*FP32, 1, 300, 1, 1, 32, 128, None, 1.0, id="fp32-K32-V128"),
 ]
 
 
