@@ -15,8 +15,9 @@
 # * small-shape runs of the benchmarks, concurrent with the tests, compile the kernel
 #   variants of the timed runs (tiles depend on batch and heads, not on T);
 # * the timed benchmarks then run one at a time, alone on the GPU.
-# EXTRA=<dir>: another checkout inside this one (a branch); its GDN kernel tests and
-# bench_gdn.py (with $EXTRA_BENCH) run too, with its own kdn_compile first on the path.
+# EXTRA=<dir>: another checkout inside this one (a branch); its GDN kernel tests (unless
+# EXTRA_TESTS=0) and bench_gdn.py (with $EXTRA_BENCH) run too, with its own kdn_compile
+# first on the path.
 set -uo pipefail
 total=${1:-570}
 start=$SECONDS
@@ -41,14 +42,14 @@ stage() {  # name, limit, command... (in the current directory, with its PYTHONP
     timeout "$limit" "$@" > "$logs/$name.log" 2>&1
     note "== $name rc=$? after $((SECONDS - start)) s ($(tail -n 1 "$logs/$name.log"))"
 }
-isolated() {  # name, limit, test file: each test in its own process, 4 at a time
+isolated() {  # name, limit, test file: each test in its own process, $ISO_JOBS (4) at a time
     local name=$1 limit=$2 file=$3
     mkdir -p "$logs/$name"
     python -m pytest -q -p no:cacheprovider --collect-only "$file" 2> /dev/null | grep "::" \
         > "$logs/$name/ids"
     export ISO_LIMIT=$limit ISO_DIR=$logs/$name
     # shellcheck disable=SC2016
-    xargs -P 4 -d '\n' -I{} bash -c 'id="$1"; log="$ISO_DIR/$(echo "$id" | md5sum | cut -c1-8).log"
+    xargs -P "${ISO_JOBS:-4}" -d '\n' -I{} bash -c 'id="$1"; log="$ISO_DIR/$(echo "$id" | md5sum | cut -c1-8).log"
         timeout "$ISO_LIMIT" python -m pytest -q -p no:cacheprovider -p sync_launches -rf "$id" \
             > "$log" 2>&1; echo "rc=$? $id: $(tail -n 1 "$log")"' _ {} < "$logs/$name/ids" \
         > "$logs/$name/results"
@@ -79,8 +80,10 @@ for b in ${BENCHES:-gdn kda layers}; do
                  --shapes 8x128x16,1x128x16 & ;;
     esac
 done
-if [ -n "${EXTRA:-}" ]; then
+if [ -n "${EXTRA:-}" ] && [ "${EXTRA_TESTS:-1}" = 1 ]; then
     ( checkout "$EXTRA" && isolated extra_gdn "$tests_limit" tests/test_gdn_kernels.py ) &
+fi
+if [ -n "${EXTRA:-}" ]; then
     ( checkout "$EXTRA" && stage extra_warm_gdn "$tests_limit" env OUT= python \
           benchmarks/bench_gdn.py ${EXTRA_BENCH:-} --shapes "$small_gdn" ) &
 fi
@@ -93,6 +96,7 @@ for b in ${BENCHES:-gdn kda layers}; do
     case $b in
         layers) stage bench_layers 300 python benchmarks/bench_layers.py \
                     --layers "${LAYERS:-gdn,kda,kdn}" ;;
+        none) ;;
         *) stage "bench_$b" 150 python "benchmarks/bench_$b.py" ;;
     esac
 done
