@@ -262,8 +262,9 @@ def chunk_gdn_bwd(q, k, v, g, beta, initial_state, cu_seqlens, do, dht, *,
     dk = k.new_empty((batch, length, hv, dk_), dtype=grad_dtype)
     dg = torch.empty((2,) + tuple(g.shape), dtype=torch.float32, device=g.device)
     dbeta = torch.empty(beta.shape, dtype=beta.dtype, device=beta.device)
-    # BV 16, 4 warps: ptxas (bf16, K = V = 128) spills 152 B a thread; BV 32 or 8 warps
-    # spill 400-750 B (8 warps replicate the 64-row products across warpgroups).
+    # BV 16, 4 warps: the sm_90 cubin (Triton 3.6, bf16, K = V = 128, pointers marked 16-byte
+    # aligned as at run time) uses 255 registers and 248 B of stack a thread; BV 32 472 B,
+    # BV 64 880 B, 8 warps 296-936 B (docs/benchmarks.md, third session).
     wrap_triton(_chunk_gdn_bwd_grad_kernel)[(bound, hv, 2)](
         q, k, v, gc, beta, ai, aqk, hs, dhs, do, dv, dq, dk, dg[0], dg[1], dbeta, cu_seqlens,
         offsets, scale, length, n,
