@@ -29,6 +29,7 @@ from torch.library import wrap_triton
 from ._launch import dot_precision, locate_chunk, sequence_chunks, state_tile
 from .chunk_gdn_fwd import (
     CHUNK, _scale, gdn_layout, gdn_prepare, gdn_recompute_states, recurrence_config,
+    require_gdn_kernels,
 )
 
 __all__ = ["chunk_gdn_bwd"]
@@ -225,9 +226,10 @@ def chunk_gdn_bwd(q, k, v, g, beta, initial_state, cu_seqlens, do, dht, *,
     recomputed); ``dht`` may be None (zero). Returns
     ``(dq, dk, dv, dg, dbeta, dh0)`` in the dtypes of
     ``q, k, v, g, beta, initial_state``; ``dh0`` is None without an initial state.
+    Raises ValueError for inputs that
+    :func:`~.chunk_gdn_fwd.gdn_kernel_supports` does not cover.
     """
-    if chunk_size != CHUNK:
-        raise ValueError(f"the Triton GDN kernels need chunk_size {CHUNK}, got {chunk_size}")
+    require_gdn_kernels(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size)
     q, k, v, g, beta, do = (t.contiguous() for t in (q, k, v, g, beta, do))
     if initial_state is not None:
         initial_state = initial_state.contiguous()

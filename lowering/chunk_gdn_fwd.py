@@ -40,7 +40,7 @@ from ._launch import (
 
 __all__ = [
     "chunk_gdn_fwd", "gdn_kernel_supports", "gdn_layout", "gdn_prepare", "gdn_recompute_states",
-    "recurrence_config",
+    "recurrence_config", "require_gdn_kernels",
 ]
 
 CHUNK = 64  # tokens per chunk: the kernels are written for 4 blocks of 16
@@ -64,6 +64,18 @@ def gdn_kernel_supports(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size)
         return False
     others = (g, beta) + ((initial_state,) if initial_state is not None else ())
     return all(t.dtype in _DTYPES for t in others)
+
+
+def require_gdn_kernels(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size) -> None:
+    """Raise ValueError naming what :func:`gdn_kernel_supports` refuses (the launchers'
+    guard: an uncovered input must not reach a kernel)."""
+    if gdn_kernel_supports(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size):
+        return
+    raise ValueError(
+        f"the Triton GDN kernels do not cover chunk_size={chunk_size}, q/k/v dtype {q.dtype}, "
+        f"K={k.shape[-1]}, V={v.shape[-1]} (chunk_size 64; K, V in 64/128 for half inputs, "
+        "16-128 for float32; see gdn_kernel_supports): use the reference"
+    )
 
 
 def gdn_layout(q, v, cu_seqlens):
@@ -350,6 +362,9 @@ def chunk_gdn_fwd(q, k, v, g, beta, initial_state, cu_seqlens, *, chunk_size, sc
         chunk_size: must be 64 (see :func:`gdn_kernel_supports`).
         scale: output scale (None: ``K ** -0.5``).
 
+    Raises:
+        ValueError: inputs that :func:`gdn_kernel_supports` does not cover.
+
     Returns:
         ``(o, final_state)``: ``o`` like ``v``; ``final_state`` float32 in the
         layout of ``initial_state``. Nothing is saved: :func:`chunk_gdn_bwd`
@@ -357,8 +372,7 @@ def chunk_gdn_fwd(q, k, v, g, beta, initial_state, cu_seqlens, *, chunk_size, sc
 
     Math: :func:`kdn_compile.reference.chunk_gdn_reference` (FLA's WY form).
     """
-    if chunk_size != CHUNK:
-        raise ValueError(f"the Triton GDN kernels need chunk_size {CHUNK}, got {chunk_size}")
+    require_gdn_kernels(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size)
     q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
     if initial_state is not None:
         initial_state = initial_state.contiguous()

@@ -35,6 +35,7 @@ from kdn_compile.lowering.two_key_common import (
     load_block,
     load_row,
     load_rows,
+    require_two_key_kernels,
     sequence_bounds,
     store_rows,
 )
@@ -313,9 +314,11 @@ def two_key_bwd(
         ``(dq, dk, dw, dv, dlog_decay, dh0)`` in the dtypes of ``q, k, w, v,
         log_decay``; ``dh0`` is float32 in the state layout (the gradient of a
         zero initial state when ``initial_state`` is None).
+
+    Raises:
+        ValueError: inputs that :func:`two_key_kernel_supports` does not cover.
     """
-    if chunk_size != BT:
-        raise ValueError(f"two_key_bwd supports chunk_size {BT}, got {chunk_size}")
+    require_two_key_kernels(q, v, chunk_size)
     batch, length, hk, key_dim = q.shape
     hv, value_dim = v.shape[2], v.shape[3]
     dt = compute_dtype(q.dtype)

@@ -46,6 +46,19 @@ LOG_DECAY_BOUND = -20.0
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
+def require_two_key_kernels(q: torch.Tensor, v: torch.Tensor, chunk_size: int) -> None:
+    """Raise ValueError naming what :func:`two_key_kernel_supports` refuses (the
+    launchers' guard: an uncovered input must not reach a kernel)."""
+    if two_key_kernel_supports(q, v, chunk_size=chunk_size):
+        return
+    raise ValueError(
+        f"the two-key Triton kernels do not cover chunk_size={chunk_size}, q dtype {q.dtype}, "
+        f"v dtype {v.dtype}, K={q.shape[-1]}, V={v.shape[-1]} (chunk_size {BT}; K, V in "
+        "64/128 for half inputs, 16-128 for float32; see two_key_kernel_supports): "
+        "use the reference"
+    )
+
+
 def two_key_kernel_supports(
     q: torch.Tensor, v: torch.Tensor, *, chunk_size: int
 ) -> bool:

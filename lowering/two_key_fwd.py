@@ -33,6 +33,7 @@ from kdn_compile.lowering.two_key_common import (
     load_row,
     load_rows,
     num_chunks_bound,
+    require_two_key_kernels,
     sequence_bounds,
     store_block,
     store_rows,
@@ -351,10 +352,12 @@ def two_key_fwd(
         ``h`` (one slot per chunk start plus one per sequence end); the innovations
         ``x``; the chunk map.
 
+    Raises:
+        ValueError: inputs that :func:`two_key_kernel_supports` does not cover.
+
     Source of the math: :func:`kdn_compile.reference.two_key_chunk_recurrence`.
     """
-    if chunk_size != BT:
-        raise ValueError(f"two_key_fwd supports chunk_size {BT}, got {chunk_size}")
+    require_two_key_kernels(q, v, chunk_size)
     batch, length, hk, key_dim = q.shape
     hv, value_dim = v.shape[2], v.shape[3]
     dt = compute_dtype(q.dtype)
