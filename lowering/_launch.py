@@ -19,6 +19,7 @@ __all__ = [
     "chunk_offsets",
     "dot_precision",
     "head_dims_verified",
+    "uncovered_inputs",
     "locate_chunk",
     "num_chunks_bound",
     "sequence_span",
@@ -63,6 +64,16 @@ def head_dims_verified(dtype: torch.dtype, *dims: int) -> bool:
     """
     allowed = (16, 32, 64, 128) if dtype == torch.float32 else (64, 128)
     return all(d in allowed for d in dims)
+
+
+def uncovered_inputs(kernels: str, supports: str, chunk_size: int, q, v) -> ValueError:
+    """The launchers' error for inputs their ``supports`` check refuses (``kernels`` names
+    the family in the message): an uncovered input must not reach a kernel."""
+    return ValueError(
+        f"the {kernels} kernels do not cover chunk_size={chunk_size}, q/v dtypes "
+        f"{q.dtype}/{v.dtype}, K={q.shape[-1]}, V={v.shape[-1]} (chunk_size 64; K, V in "
+        f"64/128 for half inputs, 16-128 for float32; see {supports}): use the reference"
+    )
 
 
 def dot_precision(dtype: torch.dtype) -> str:

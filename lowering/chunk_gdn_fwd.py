@@ -36,6 +36,7 @@ from ._launch import (
     sequence_chunks,
     sm_count,
     state_tile,
+    uncovered_inputs,
 )
 
 __all__ = [
@@ -67,15 +68,9 @@ def gdn_kernel_supports(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size)
 
 
 def require_gdn_kernels(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size) -> None:
-    """Raise ValueError naming what :func:`gdn_kernel_supports` refuses (the launchers'
-    guard: an uncovered input must not reach a kernel)."""
-    if gdn_kernel_supports(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size):
-        return
-    raise ValueError(
-        f"the Triton GDN kernels do not cover chunk_size={chunk_size}, q/k/v dtype {q.dtype}, "
-        f"K={k.shape[-1]}, V={v.shape[-1]} (chunk_size 64; K, V in 64/128 for half inputs, "
-        "16-128 for float32; see gdn_kernel_supports): use the reference"
-    )
+    """Raise ValueError unless :func:`gdn_kernel_supports` covers these inputs."""
+    if not gdn_kernel_supports(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size):
+        raise uncovered_inputs("Triton GDN", "gdn_kernel_supports", chunk_size, q, v)
 
 
 def gdn_layout(q, v, cu_seqlens):

@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import head_dims_verified
+from ._launch import head_dims_verified, uncovered_inputs
 
 BT = 64  # tokens per chunk (the only supported chunk size)
 BC = 16  # sub-block of the intra-chunk algebra (smallest tensor-core tile)
@@ -47,16 +47,9 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def require_two_key_kernels(q: torch.Tensor, v: torch.Tensor, chunk_size: int) -> None:
-    """Raise ValueError naming what :func:`two_key_kernel_supports` refuses (the
-    launchers' guard: an uncovered input must not reach a kernel)."""
-    if two_key_kernel_supports(q, v, chunk_size=chunk_size):
-        return
-    raise ValueError(
-        f"the two-key Triton kernels do not cover chunk_size={chunk_size}, q dtype {q.dtype}, "
-        f"v dtype {v.dtype}, K={q.shape[-1]}, V={v.shape[-1]} (chunk_size {BT}; K, V in "
-        "64/128 for half inputs, 16-128 for float32; see two_key_kernel_supports): "
-        "use the reference"
-    )
+    """Raise ValueError unless :func:`two_key_kernel_supports` covers these inputs."""
+    if not two_key_kernel_supports(q, v, chunk_size=chunk_size):
+        raise uncovered_inputs("two-key Triton", "two_key_kernel_supports", chunk_size, q, v)
 
 
 def two_key_kernel_supports(
