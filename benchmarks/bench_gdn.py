@@ -12,8 +12,8 @@ FLA (fla-core 0.6.0) refuses its GDN backward on Triton >= 3.4, < 3.7.1 on
 Hopper (a miscompiled gated kernel, FLA issue 640); the refusal is lifted here to
 time it, so its backward numbers are its speed, not a correct result. Before
 timing, checks that the two forwards agree. ``--sweep`` also times our
-recurrence at each value tile and pipeline depth and ``--profile`` prints per-kernel times of one
-forward + backward. Prints a markdown table; with ``$OUT`` set, writes the rows
+recurrence at each value tile and pipeline depth and ``--profile`` prints per-kernel times of five
+forward + backward steps, ours and FLA's. Prints a markdown table; with ``$OUT`` set, writes the rows
 as JSON there. Run: ``python benchmarks/bench_gdn.py [--shapes 8x4096x16x16,...]``.
 """
 
@@ -97,7 +97,7 @@ def sweep(inputs, scale, do):
     for tile in (16, 32, 64):
         for stages in (1, 2):
             def fixed(k_dim, v_dim, dtype, programs, device, _tile=tile, _stages=stages):
-                return min(_tile, v_dim), _stages
+                return min(_tile, v_dim), _stages, 4
             fwd_module.recurrence_config = bwd_module.recurrence_config = fixed
             try:
                 found[f"BV{tile}/s{stages}"] = (bench(lambda: ours(*inputs, scale)),
@@ -135,14 +135,18 @@ def main() -> None:
     if args.profile:  # first: a run cut short still shows where the time goes
         B, T, Hk, Hv = (int(s) for s in args.shapes.split(",")[0].split("x"))
         inputs = make_inputs(B, T, Hk, Hv)
-        step = fwd_bwd(ours, inputs, 128 ** -0.5, torch.randn_like(inputs[2]))
-        step()
-        torch.cuda.synchronize()
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            for _ in range(5):
-                step()
+        for name, fn in (("ours", ours), ("FLA", fla)):
+            if fn is None:
+                continue
+            step = fwd_bwd(fn, inputs, 128 ** -0.5, torch.randn_like(inputs[2]))
+            step()
             torch.cuda.synchronize()
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14), flush=True)
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                for _ in range(5):
+                    step()
+                torch.cuda.synchronize()
+            print(f"{name}, 5 x fwd+bwd at {B}x{T}x{Hk}x{Hv}:", flush=True)
+            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14), flush=True)
         del inputs, step
         torch.cuda.empty_cache()
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: install, the CUDA tests, then the benchmarks. Run from the
 # repository root with the FLA wheels carried in .whl/ (see docs/benchmarks.md):
-#   [TESTS="gdn two_key gain capture"] [BENCHES="gdn kda layers"] [LAYERS=gdn,kda,kdn] \
+#   [TESTS="gdn two_key gain capture [diag]"] [BENCHES="gdn kda layers"] [LAYERS=gdn,kda,kdn] \
 #   [EXTRA=<dir> EXTRA_BENCH="--sweep"] bash benchmarks/gpu_suite.sh [total seconds, 570]
 # What comes back under $OUT: summary.txt (one line per stage and per test), logs.tar.gz
 # (every log) and the benchmarks' JSON: the device tool returns only a few files.
@@ -15,6 +15,9 @@
 # * small-shape runs of the benchmarks, concurrent with the tests, compile the kernel
 #   variants of the timed runs (tiles depend on batch and heads, not on T);
 # * the timed benchmarks then run one at a time, alone on the GPU.
+# TESTS=diag runs benchmarks/diagnose_gdn.py (GDN kernel configurations by head size).
+# TESTS_SHARE: percent of the time for the tests and compile warm-ups (35); GDN_ARGS,
+# KDA_ARGS: arguments of bench_gdn.py, bench_kda.py (e.g. "--profile --shapes 8x4096x16").
 # EXTRA=<dir>: another checkout inside this one (a branch); its GDN kernel tests (unless
 # EXTRA_TESTS=0) and bench_gdn.py (with $EXTRA_BENCH) run too, with its own kdn_compile
 # first on the path.
@@ -81,12 +84,13 @@ checkout() {  # dir: run the rest of the line with that checkout first on the pa
     cd "$1" && export PYTHONPATH=${site:+$site:}$PWD:$root/benchmarks
 }
 checkout "$root"
-tests_limit=$(( $(left) * 35 / 100 ))
+tests_limit=$(( $(left) * ${TESTS_SHARE:-35} / 100 ))
 small_gdn="8x128x16x16,1x128x16x16,4x128x16x32"
 for t in ${TESTS:-gdn two_key gain capture}; do
     case $t in
-        capture) stage capture "$tests_limit" python -m pytest -q -p no:cacheprovider -rf \
-                     tests/test_gpu_capture.py & ;;
+        capture) isolated capture "$tests_limit" tests/test_gpu_capture.py & ;;
+        diag) stage diagnose_gdn "$tests_limit" env OUT="$out" python benchmarks/diagnose_gdn.py \
+                  --jobs "${DIAG_JOBS:-6}" & ;;
         gain) isolated gain "$tests_limit" tests/test_kalman_gain_kernels.py & ;;
         *) isolated "$t" "$tests_limit" "tests/test_${t}_kernels.py" & ;;
     esac
@@ -116,7 +120,9 @@ for b in ${BENCHES:-gdn kda layers}; do
         layers) stage bench_layers 300 python benchmarks/bench_layers.py \
                     --layers "${LAYERS:-gdn,kda,kdn}" ;;
         none) ;;
-        *) stage "bench_$b" 150 python "benchmarks/bench_$b.py" ;;
+        *) args=${b^^}_ARGS  # e.g. GDN_ARGS="--profile --shapes 8x4096x16x16"
+           # shellcheck disable=SC2086
+           stage "bench_$b" 150 python "benchmarks/bench_$b.py" ${!args:-} ;;
     esac
 done
 grep -h -B2 -A12 "CUDA error in\|^E   .*[Ee]rror" "$logs"/*.log 2> /dev/null | head -150 \

@@ -32,7 +32,7 @@ from .chunk_gdn_fwd import (
     require_gdn_kernels,
 )
 
-__all__ = ["chunk_gdn_bwd"]
+__all__ = ["chunk_gdn_bwd", "grad_config"]
 
 
 @triton.jit
@@ -218,6 +218,16 @@ def _chunk_gdn_bwd_grad_kernel(
         tl.store(dk + o_tk, acc_dk.to(dk.dtype.element_ty), mask=m_r)
 
 
+def grad_config(k_dim: int, v_dim: int, dtype: torch.dtype) -> tuple[int, int, int]:
+    """``(BV, num_warps, num_stages)`` of ``_chunk_gdn_bwd_grad_kernel``.
+
+    BV 16, 4 warps: the sm_90 cubin (Triton 3.6, bf16, K = V = 128, pointers marked
+    16-byte aligned as at run time) uses 255 registers and 248 B of stack a thread;
+    BV 32 472 B, BV 64 880 B, 8 warps 296-936 B (docs/benchmarks.md, third session).
+    """
+    return 16, 4, 1
+
+
 def chunk_gdn_bwd(q, k, v, g, beta, initial_state, cu_seqlens, do, dht, *,
                   chunk_size, scale, state_v_first):
     """Gradients of :func:`chunk_gdn_fwd` for ``do`` (like ``o``) and ``dht`` (like the final state).
@@ -244,7 +254,7 @@ def chunk_gdn_bwd(q, k, v, g, beta, initial_state, cu_seqlens, do, dht, *,
     gc, ai, aqk = gdn_prepare(q, k, g, beta, cu_seqlens, layout)
     hs = gdn_recompute_states(k, v, gc, beta, ai, initial_state, cu_seqlens, layout,
                               state_v_first=state_v_first)
-    tile, stages = recurrence_config(dk_, dv_, k.dtype, n * hv, v.device)
+    tile, stages, warps = recurrence_config(dk_, dv_, k.dtype, n * hv, v.device)
     dhs = torch.empty_like(hs)
     dv = torch.empty_like(v)
     dh0 = None
@@ -255,7 +265,7 @@ def chunk_gdn_bwd(q, k, v, g, beta, initial_state, cu_seqlens, do, dht, *,
         H=hv, HK=hk, K=dk_, V=dv_, BT=CHUNK, BV=tile,
         HAS_DHT=dht is not None, HAS_H0=initial_state is not None,
         STATE_V_FIRST=state_v_first, IS_VARLEN=varlen, DOT_PREC=prec,
-        num_warps=4, num_stages=stages,
+        num_warps=warps, num_stages=stages,
     )
 
     grouped = hv != hk
@@ -264,14 +274,12 @@ def chunk_gdn_bwd(q, k, v, g, beta, initial_state, cu_seqlens, do, dht, *,
     dk = k.new_empty((batch, length, hv, dk_), dtype=grad_dtype)
     dg = torch.empty((2,) + tuple(g.shape), dtype=torch.float32, device=g.device)
     dbeta = torch.empty(beta.shape, dtype=beta.dtype, device=beta.device)
-    # BV 16, 4 warps: the sm_90 cubin (Triton 3.6, bf16, K = V = 128, pointers marked 16-byte
-    # aligned as at run time) uses 255 registers and 248 B of stack a thread; BV 32 472 B,
-    # BV 64 880 B, 8 warps 296-936 B (docs/benchmarks.md, third session).
+    tile, warps, stages = grad_config(dk_, dv_, k.dtype)
     wrap_triton(_chunk_gdn_bwd_grad_kernel)[(bound, hv, 2)](
         q, k, v, gc, beta, ai, aqk, hs, dhs, do, dv, dq, dk, dg[0], dg[1], dbeta, cu_seqlens,
         offsets, scale, length, n,
-        H=hv, HK=hk, K=dk_, V=dv_, BT=CHUNK, BV=16,
-        IS_VARLEN=varlen, DOT_PREC=prec, num_warps=4, num_stages=1,
+        H=hv, HK=hk, K=dk_, V=dv_, BT=CHUNK, BV=tile,
+        IS_VARLEN=varlen, DOT_PREC=prec, num_warps=warps, num_stages=stages,
     )
     dg = (dg[0] + dg[1]).to(g.dtype)
     if grouped:

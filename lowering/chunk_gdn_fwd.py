@@ -41,7 +41,7 @@ from ._launch import (
 
 __all__ = [
     "chunk_gdn_fwd", "gdn_kernel_supports", "gdn_layout", "gdn_prepare", "gdn_recompute_states",
-    "recurrence_config", "require_gdn_kernels",
+    "prepare_warps", "recurrence_config", "require_gdn_kernels",
 ]
 
 CHUNK = 64  # tokens per chunk: the kernels are written for 4 blocks of 16
@@ -85,8 +85,9 @@ def gdn_layout(q, v, cu_seqlens):
 
 
 def recurrence_config(k_dim: int, v_dim: int, dtype: torch.dtype, programs_per_tile: int,
-                      device) -> tuple[int, int]:
-    """``(BV, num_stages)`` of the sequential kernels (forward and backward state passes).
+                      device) -> tuple[int, int, int]:
+    """``(BV, num_stages, num_warps)`` of the sequential kernels (forward and backward state
+    passes).
 
     Their grid is sequences x heads x value tiles, so narrow tiles buy
     parallelism when there are few sequences: the largest tile (at most 64, 32
@@ -104,7 +105,12 @@ def recurrence_config(k_dim: int, v_dim: int, dtype: torch.dtype, programs_per_t
     tile = min(v_dim, 64 if k_dim <= 128 else 32, 16 if row_bytes >= 512 else 64)
     while tile > 16 and programs_per_tile * (v_dim // tile) < 2 * sm_count(device):
         tile //= 2
-    return tile, 2 if row_bytes <= 256 else 1
+    return tile, 2 if row_bytes <= 256 else 1, 4
+
+
+def prepare_warps(k_dim: int, dtype: torch.dtype) -> int:
+    """``num_warps`` of the prepare kernel (gates, ``(I + A)^-1``, ``M``)."""
+    return 4
 
 
 # -------------------------------------------------------------------------------------------
@@ -311,7 +317,7 @@ def gdn_prepare(q, k, g, beta, cu_seqlens, layout):
         q, k, g, beta, gc, ai, aqk, scratch, cu_seqlens, offsets, length, n,
         H=hv, HK=hk, K=dk, BT=CHUNK, BC=_SUB,
         IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(k.dtype),
-        num_warps=4,
+        num_warps=prepare_warps(dk, k.dtype),
     )
     return gc, ai, aqk
 
@@ -319,7 +325,7 @@ def gdn_prepare(q, k, g, beta, cu_seqlens, layout):
 def _recurrence(q, k, v, gc, beta, ai, aqk, initial_state, cu_seqlens, layout, *,
                 scale, state_v_first, recompute):
     batch, length, n, hk, hv, dk, dv, bound, offsets = layout
-    tile, stages = recurrence_config(dk, dv, k.dtype, n * hv, v.device)
+    tile, stages, warps = recurrence_config(dk, dv, k.dtype, n * hv, v.device)
     shape = (n, hv, dv, dk) if state_v_first else (n, hv, dk, dv)
     if recompute:
         o = ht = None
@@ -334,7 +340,7 @@ def _recurrence(q, k, v, gc, beta, ai, aqk, initial_state, cu_seqlens, layout, *
         H=hv, HK=hk, K=dk, V=dv, BT=CHUNK, BV=tile,
         HAS_H0=initial_state is not None, RECOMPUTE=recompute,
         STATE_V_FIRST=state_v_first, IS_VARLEN=cu_seqlens is not None,
-        DOT_PREC=dot_precision(k.dtype), num_warps=4, num_stages=stages,
+        DOT_PREC=dot_precision(k.dtype), num_warps=warps, num_stages=stages,
     )
     return o, ht, hs
 
