@@ -29,6 +29,7 @@ import torch.nn.functional as F
 import triton
 
 import kdn_compile
+from _profile import print_profile
 from kdn_compile.lowering import chunk_gdn_fwd as fwd_module
 
 SHAPES = "8x4096x16x16,1x32768x16x16,4x4096x16x32"
@@ -139,14 +140,7 @@ def main() -> None:
             if fn is None:
                 continue
             step = fwd_bwd(fn, inputs, 128 ** -0.5, torch.randn_like(inputs[2]))
-            step()
-            torch.cuda.synchronize()
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-                for _ in range(5):
-                    step()
-                torch.cuda.synchronize()
-            print(f"{name}, 5 x fwd+bwd at {B}x{T}x{Hk}x{Hv}:", flush=True)
-            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14), flush=True)
+            print_profile(f"{name}, fwd+bwd at {B}x{T}x{Hk}x{Hv}", step)
         del inputs, step
         torch.cuda.empty_cache()
 

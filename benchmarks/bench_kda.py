@@ -31,6 +31,7 @@ import torch.nn.functional as F
 import triton
 
 import kdn_compile
+from _profile import print_profile
 from kdn_compile.lowering.two_key_bwd import two_key_bwd
 from kdn_compile.lowering.two_key_fwd import two_key_fwd
 
@@ -109,14 +110,7 @@ def main() -> None:
         if chunk_kda is not None:
             steps.append(("FLA", fla_step(chunk_kda, (q, k, v, g, beta, h0), 128 ** -0.5, do)))
         for name, step in steps:
-            step()
-            torch.cuda.synchronize()
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-                for _ in range(5):
-                    step()
-                torch.cuda.synchronize()
-            print(f"{name}, 5 x fwd+bwd at {B}x{T}x{H}:", flush=True)
-            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=16), flush=True)
+            print_profile(f"{name}, fwd+bwd at {B}x{T}x{H}", step)
     rows = []
     for shape in args.shapes.split(","):
         B, T, H = (int(s) for s in shape.split("x"))

@@ -56,6 +56,7 @@ stage() {  # name, limit, command... (in the current directory, with its PYTHONP
 isolated() {  # name, limit, test file: each test in its own process, $ISO_JOBS (4) at a time;
     # the whole stage ends within limit seconds (a test that would start later is not run)
     local name=$1 limit=$2 file=$3
+    export ISO_PLUGIN=${4--p sync_launches}  # capture tests: none (no syncs while capturing)
     [ "$limit" -gt "$(left)" ] && limit=$(left)
     mkdir -p "$logs/$name"
     python -m pytest -q -p no:cacheprovider --collect-only "$file" > "$logs/$name/collect.log" 2>&1
@@ -69,7 +70,7 @@ isolated() {  # name, limit, test file: each test in its own process, $ISO_JOBS 
     xargs -P "${ISO_JOBS:-4}" -d '\n' -I{} bash -c 'id="$1"; log="$ISO_DIR/$(echo "$id" | md5sum | cut -c1-8).log"
         rest=$(( ISO_DEADLINE - $(date +%s) ))
         if [ "$rest" -le 5 ]; then echo "rc=none $id: not run, no time left"; exit 0; fi
-        timeout "$rest" python -m pytest -q -p no:cacheprovider -p sync_launches -rf "$id" \
+        timeout "$rest" python -m pytest -q -p no:cacheprovider $ISO_PLUGIN -rf "$id" \
             > "$log" 2>&1; echo "rc=$? $id: $(tail -n 1 "$log")"' _ {} < "$logs/$name/ids" \
         > "$logs/$name/results"
     local passed skipped
@@ -88,7 +89,7 @@ tests_limit=$(( $(left) * ${TESTS_SHARE:-35} / 100 ))
 small_gdn="8x128x16x16,1x128x16x16,4x128x16x32"
 for t in ${TESTS:-gdn two_key gain capture}; do
     case $t in
-        capture) isolated capture "$tests_limit" tests/test_gpu_capture.py & ;;
+        capture) isolated capture "$tests_limit" tests/test_gpu_capture.py "" & ;;
         diag) stage diagnose_gdn "$tests_limit" env OUT="$out" python benchmarks/diagnose_gdn.py \
                   --jobs "${DIAG_JOBS:-6}" & ;;
         gain) isolated gain "$tests_limit" tests/test_kalman_gain_kernels.py & ;;
