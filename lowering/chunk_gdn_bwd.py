@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
-from ._launch import dot_precision, locate_chunk, sequence_chunks, state_tile
+from ._launch import dot_precision, fixed_chunk, fixed_sequence, state_tile
 from .chunk_gdn_fwd import (
     CHUNK, _scale, gdn_layout, gdn_prepare, gdn_recompute_states, recurrence_config,
     require_gdn_kernels,
@@ -52,7 +52,12 @@ def _chunk_gdn_bwd_state_kernel(
     i_nh, i_v = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     i_hk = i_h // (H // HK)
-    bos, eos, c0 = sequence_chunks(i_n, cu_seqlens, offsets, T, BT, IS_VARLEN)
+    if IS_VARLEN:  # index loads in the kernel body: see _launch.py
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+        c0 = tl.load(offsets + i_n).to(tl.int64)
+    else:
+        bos, eos, c0 = fixed_sequence(i_n, T, BT)
     dt = k.dtype.element_ty
     b_dh = tl.zeros([K, BV], dtype=tl.float32)
     if HAS_DHT:
@@ -125,7 +130,7 @@ def _delta_tile(b_k, b_ai, b_eg, b_el, b_beta, p_s, p_ds, v, do, dv, rows, m_r, 
 @triton.jit
 def _chunk_gdn_bwd_grad_kernel(
     q, k, v, gc, beta, ai, aqk, hs, dhs, do, dv, dq, dk, dg0, dg1, dbeta, cu_seqlens, offsets,
-    scale, T, N,
+    chunk_seq, scale, T,
     H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
@@ -133,8 +138,13 @@ def _chunk_gdn_bwd_grad_kernel(
     (``dg0``), role 1 ``dk``, ``dbeta`` and the rest (``dg1``); both redo ``delta``."""
     scale = tl.cast(scale, tl.float32)  # Inductor passes Python floats as fp64
     i_c, i_h, i_r = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_n, i_t, bos, eos = locate_chunk(i_c, cu_seqlens, offsets, T, N, BT, IS_VARLEN)
-    t0 = bos + i_t * BT
+    if IS_VARLEN:  # index loads in the kernel body: see _launch.py
+        i_n = tl.load(chunk_seq + i_c)
+        t0 = tl.load(cu_seqlens + i_n).to(tl.int64)
+        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+        t0 += (i_c - tl.load(offsets + i_n)).to(tl.int64) * BT
+    else:
+        t0, eos = fixed_chunk(i_c, T, BT)
     if t0 >= eos:
         return
     i_hk = i_h // (H // HK)
@@ -246,7 +256,7 @@ def chunk_gdn_bwd(q, k, v, g, beta, initial_state, cu_seqlens, do, dht, *,
     if dht is not None:
         dht = dht.contiguous()
     layout = gdn_layout(q, v, cu_seqlens)
-    batch, length, n, hk, hv, dk_, dv_, bound, offsets = layout
+    batch, length, n, hk, hv, dk_, dv_, bound, offsets, chunk_seq = layout
     varlen = cu_seqlens is not None
     prec = dot_precision(k.dtype)
     scale = _scale(scale, q)
@@ -277,7 +287,7 @@ def chunk_gdn_bwd(q, k, v, g, beta, initial_state, cu_seqlens, do, dht, *,
     tile, warps, stages = grad_config(dk_, dv_, k.dtype)
     wrap_triton(_chunk_gdn_bwd_grad_kernel)[(bound, hv, 2)](
         q, k, v, gc, beta, ai, aqk, hs, dhs, do, dv, dq, dk, dg[0], dg[1], dbeta, cu_seqlens,
-        offsets, scale, length, n,
+        offsets, chunk_seq, scale, length,
         H=hv, HK=hk, K=dk_, V=dv_, BT=CHUNK, BV=tile,
         IS_VARLEN=varlen, DOT_PREC=prec, num_warps=warps, num_stages=stages,
     )

@@ -29,11 +29,12 @@ from torch.library import wrap_triton
 
 from ._launch import (
     chunk_offsets,
+    chunk_sequences,
     dot_precision,
+    fixed_chunk,
+    fixed_sequence,
     head_dims_verified,
-    locate_chunk,
     num_chunks_bound,
-    sequence_chunks,
     sm_count,
     state_tile,
     uncovered_inputs,
@@ -74,14 +75,16 @@ def require_gdn_kernels(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size)
 
 
 def gdn_layout(q, v, cu_seqlens):
-    """``(B, T, N, Hk, Hv, K, V, number of chunks bound, chunk offsets or None)``."""
+    """``(B, T, N, Hk, Hv, K, V, number of chunks bound, chunk offsets, chunk sequences)``
+    (the last two None at fixed length; see :func:`._launch.chunk_sequences`)."""
     batch, length, hk, dk = q.shape
     hv, dv = v.shape[2], v.shape[3]
     varlen = cu_seqlens is not None
     n = cu_seqlens.shape[0] - 1 if varlen else batch
     bound = num_chunks_bound(batch, length, n, CHUNK, varlen)
     offsets = chunk_offsets(cu_seqlens, CHUNK) if varlen else None
-    return batch, length, n, hk, hv, dk, dv, bound, offsets
+    chunk_seq = chunk_sequences(offsets, bound) if varlen else None
+    return batch, length, n, hk, hv, dk, dv, bound, offsets, chunk_seq
 
 
 def recurrence_config(k_dim: int, v_dim: int, dtype: torch.dtype, programs_per_tile: int,
@@ -174,13 +177,18 @@ def _dot32(a, b):
 
 @triton.jit
 def _chunk_gdn_prepare_kernel(
-    q, k, g, beta, gc, ai, aqk, scratch, cu_seqlens, offsets, T, N,
+    q, k, g, beta, gc, ai, aqk, scratch, cu_seqlens, offsets, chunk_seq, T,
     H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
     IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     i_c, i_h = tl.program_id(0), tl.program_id(1)
-    i_n, i_t, bos, eos = locate_chunk(i_c, cu_seqlens, offsets, T, N, BT, IS_VARLEN)
-    t0 = bos + i_t * BT
+    if IS_VARLEN:  # index loads in the kernel body: see _launch.py
+        i_n = tl.load(chunk_seq + i_c)
+        t0 = tl.load(cu_seqlens + i_n).to(tl.int64)
+        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+        t0 += (i_c - tl.load(offsets + i_n)).to(tl.int64) * BT
+    else:
+        t0, eos = fixed_chunk(i_c, T, BT)
     if t0 >= eos:
         return
     i_hk = i_h // (H // HK)
@@ -256,7 +264,12 @@ def _chunk_gdn_fwd_kernel(
     i_nh, i_v = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     i_hk = i_h // (H // HK)
-    bos, eos, c0 = sequence_chunks(i_n, cu_seqlens, offsets, T, BT, IS_VARLEN)
+    if IS_VARLEN:  # index loads in the kernel body: see _launch.py
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+        c0 = tl.load(offsets + i_n).to(tl.int64)
+    else:
+        bos, eos, c0 = fixed_sequence(i_n, T, BT)
     dt = k.dtype.element_ty
     b_h = tl.zeros([K, BV], dtype=tl.float32)
     if HAS_H0:
@@ -308,13 +321,13 @@ def _chunk_gdn_fwd_kernel(
 def gdn_prepare(q, k, g, beta, cu_seqlens, layout):
     """Launch the prepare kernel: ``(G, Ai, M)``; ``G`` float32 ``[B, T, Hv]``, ``Ai`` and
     ``M`` ``[B, T, Hv, 64]`` in ``k``'s dtype (row ``t`` of its chunk's matrix)."""
-    batch, length, n, hk, hv, dk, _, bound, offsets = layout
+    batch, length, n, hk, hv, dk, _, bound, offsets, chunk_seq = layout
     gc = torch.empty(g.shape, dtype=torch.float32, device=g.device)
     ai = k.new_empty((batch, length, hv, CHUNK))
     aqk = k.new_empty((batch, length, hv, CHUNK))
     scratch = torch.empty((batch, length, hv, CHUNK), dtype=torch.float32, device=k.device)
     wrap_triton(_chunk_gdn_prepare_kernel)[(bound, hv)](
-        q, k, g, beta, gc, ai, aqk, scratch, cu_seqlens, offsets, length, n,
+        q, k, g, beta, gc, ai, aqk, scratch, cu_seqlens, offsets, chunk_seq, length,
         H=hv, HK=hk, K=dk, BT=CHUNK, BC=_SUB,
         IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(k.dtype),
         num_warps=prepare_warps(dk, k.dtype),
@@ -324,7 +337,7 @@ def gdn_prepare(q, k, g, beta, cu_seqlens, layout):
 
 def _recurrence(q, k, v, gc, beta, ai, aqk, initial_state, cu_seqlens, layout, *,
                 scale, state_v_first, recompute):
-    batch, length, n, hk, hv, dk, dv, bound, offsets = layout
+    batch, length, n, hk, hv, dk, dv, bound, offsets, _ = layout
     tile, stages, warps = recurrence_config(dk, dv, k.dtype, n * hv, v.device)
     shape = (n, hv, dv, dk) if state_v_first else (n, hv, dk, dv)
     if recompute:

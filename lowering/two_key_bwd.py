@@ -30,7 +30,6 @@ from kdn_compile.lowering._launch import dot_precision
 from kdn_compile.lowering.two_key_common import (
     BC,
     BT,
-    chunk_position,
     compute_dtype,
     load_block,
     load_row,
@@ -104,7 +103,10 @@ def _two_key_bwd_pair_kernel(
     i_n = tl.load(chunk_seq + i_c)
     if i_n >= N:
         return
-    t0, eos = chunk_position(chunk_first, cu_seqlens, i_n, i_c, BT)
+    # index loads in the kernel body, not a helper: see _launch.py on mutation analysis
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    t0 = bos + (i_c - tl.load(chunk_first + i_n)).to(tl.int64) * BT
     o_bt = tl.arange(0, BT)
     m_t = (t0 + o_bt) < eos
     b_da = tl.zeros([BT, BT], dtype=tl.float32)
@@ -149,7 +151,10 @@ def _two_key_bwd_intra_kernel(
     i_n = tl.load(chunk_seq + i_c)
     if i_n >= N:
         return
-    t0, eos = chunk_position(chunk_first, cu_seqlens, i_n, i_c, BT)
+    # index loads in the kernel body, not a helper: see _launch.py on mutation analysis
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    t0 = bos + (i_c - tl.load(chunk_first + i_n)).to(tl.int64) * BT
     last = tl.minimum(t0 + BT, eos) - 1
     o_k = i_k * BK + tl.arange(0, BK)
 

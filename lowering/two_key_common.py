@@ -142,12 +142,3 @@ def store_block(ptr, value, t, m_r, i_h, col0, H: tl.constexpr, BT: tl.constexpr
     o_c = tl.arange(0, BC)
     p = ptr + (t.to(tl.int64) * H + i_h) * BT + col0 + (o_c[:, None] * (H * BT) + o_c[None, :])
     tl.store(p, value.to(ptr.dtype.element_ty), mask=m_r[:, None])
-
-
-@triton.jit
-def chunk_position(chunk_first, cu_seqlens, i_n, i_c, BT: tl.constexpr):
-    """``(first token, end token)`` of global chunk ``i_c`` of sequence ``i_n``."""
-    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-    t0 = bos + (i_c - tl.load(chunk_first + i_n)).to(tl.int64) * BT
-    return t0, eos

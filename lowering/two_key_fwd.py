@@ -27,7 +27,6 @@ from kdn_compile.lowering.two_key_common import (
     BC,
     BT,
     chunk_map,
-    chunk_position,
     compute_dtype,
     load_block,
     load_row,
@@ -90,7 +89,10 @@ def _two_key_fwd_intra_kernel(
     i_n = tl.load(chunk_seq + i_c)
     if i_n >= N:
         return
-    t0, eos = chunk_position(chunk_first, cu_seqlens, i_n, i_c, BT)
+    # index loads in the kernel body, not a helper: see _launch.py on mutation analysis
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    t0 = bos + (i_c - tl.load(chunk_first + i_n)).to(tl.int64) * BT
     last = tl.minimum(t0 + BT, eos) - 1
 
     # In-chunk cumulative log decay c and the decayed keys q e^c, k e^c,
@@ -293,7 +295,10 @@ def _two_key_fwd_output_kernel(
     i_n = tl.load(chunk_seq + i_c)
     if i_n >= N:
         return
-    t0, eos = chunk_position(chunk_first, cu_seqlens, i_n, i_c, BT)
+    # index loads in the kernel body, not a helper: see _launch.py on mutation analysis
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    t0 = bos + (i_c - tl.load(chunk_first + i_n)).to(tl.int64) * BT
     o_bt = tl.arange(0, BT)
     m_t = (t0 + o_bt) < eos
     o_v = i_v * BV + tl.arange(0, BV)

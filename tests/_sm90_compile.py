@@ -7,7 +7,9 @@ JIT functions). The op layer is forced onto the kernel path on CPU tensors and
 it. Each recorded kernel is then compiled by Triton for an H100/H200
 (``GPUTarget("cuda", 90, 32)``, no GPU needed) with Python floats typed ``fp64``
 and ints ``i32``, as Inductor's generated code types them. Prints one line per
-kernel, ``ok`` or the error, and exits non-zero if any failed.
+kernel, ``ok`` or the error, and exits non-zero if any failed, or if torch's
+mutation analysis of ``wrap_triton`` sees any launch (fixed length or packed) write
+an index tensor such as ``cu_seqlens`` (see ``lowering/_launch.py``).
 
 ``benchmarks/kernel_resources.py`` reuses :func:`record_launches` and
 :func:`compile_sm90` (``aligned=True``) for its resource report.
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import os
 import sys
+import types
 
 os.environ.pop("TRITON_INTERPRET", None)
 
@@ -97,11 +100,13 @@ def _run_ops(B, T, H, K, dtypes):
         torch.autograd.grad(out[0].sum(), [x["q"], x["k"]])
 
 
-def record_launches(B=1, T=70, H=2, K=64, dtypes=(torch.bfloat16, torch.float32), sms=None):
+def record_launches(B=1, T=70, H=2, K=64, dtypes=(torch.bfloat16, torch.float32), sms=None,
+                    every=False):
     """``{kernel name: (kernel, grid, args, kwargs)}``: the first launch of every kernel
     by GDN, KDA and Diag-KDN (fixed length, then packed; forward and backward) on CPU
     tensors of ``B x T x H x K`` (``K = V``), with tiles chosen as for ``sms``
-    multiprocessors when given. Patches the launcher modules for good (a script's job)."""
+    multiprocessors when given; with ``every``, the list of all launches. Patches the
+    launcher modules for good (a script's job)."""
     launches: list = []
     for module in launcher_modules():
         module.wrap_triton = launch_recorder(launches)
@@ -117,16 +122,49 @@ def record_launches(B=1, T=70, H=2, K=64, dtypes=(torch.bfloat16, torch.float32)
             _run_ops(B, T, H, K, dtypes)
     finally:
         os.environ.pop("TRITON_INTERPRET", None)
+    if every:
+        return launches
     first = {}
     for kernel, grid, args, kwargs in launches:
         first.setdefault(kernel.fn.__name__, (kernel, grid, args, kwargs))
     return first
 
 
+_INDEX_TENSORS = {"cu_seqlens", "offsets", "chunk_seq", "chunk_first", "chunk_offsets"}
+
+
+def written_indices(kernel, args, kwargs) -> set[str]:
+    """Index tensors that torch's mutation analysis of ``wrap_triton`` sees ``kernel``
+    write (it analyses the TTIR for sm_90; it must not fall back to "all written")."""
+    import torch._higher_order_ops.triton_kernel_wrap as wrap
+
+    bound = dict(zip(kernel.arg_names, args), **kwargs)
+    bound = {k: v for k, v in bound.items() if k not in ("num_warps", "num_stages")}
+    writes = {dep.name for dep in wrap.identify_accessed_tensors(kernel, bound, {})
+              .read_writes.writes}
+    if writes >= {k for k, v in bound.items() if isinstance(v, torch.Tensor)}:
+        raise RuntimeError("mutation analysis failed: every tensor counted as written")
+    return writes & _INDEX_TENSORS
+
+
 def main() -> int:
-    first = record_launches()
+    launches = record_launches(every=True)
+    first = {}
+    for kernel, _, args, kwargs in launches:
+        first.setdefault(kernel.fn.__name__, (kernel, args, kwargs))
+    # torch's analysis asks the active driver for the target: give it sm_90 without a GPU
+    triton.runtime.driver.set_active(types.SimpleNamespace(
+        get_current_target=lambda: GPUTarget("cuda", 90, 32)))
+    seen = set()
+    for kernel, _, args, kwargs in launches:
+        written = written_indices(kernel, args, kwargs)
+        if written:
+            seen.add(f"{kernel.fn.__name__} {sorted(written)}")
+    for line in sorted(seen):
+        print(f"WRITES INDEX {line}")
+    print(f"{len(seen)} kernels write index tensors")
     failed = 0
-    for name, (kernel, _, args, kwargs) in sorted(first.items()):
+    for name, (kernel, args, kwargs) in sorted(first.items()):
         try:
             compile_sm90(kernel, args, kwargs)
             print(f"ok {name}")
@@ -134,7 +172,7 @@ def main() -> int:
             failed += 1
             print(f"FAIL {name}: {type(e).__name__}: {str(e)[-2000:]}")
     print(f"{len(first)} kernels, {failed} failed")
-    return 1 if failed or not first else 0
+    return 1 if failed or seen or not first else 0
 
 
 if __name__ == "__main__":
