@@ -1,8 +1,8 @@
 """Launch helpers shared by the chunked delta-rule kernels.
 
 Chunk bookkeeping stays on the device: :func:`chunk_offsets` builds, with tensor
-ops only, the index of each sequence's first chunk and :func:`chunk_sequences` the
-sequence of each flat chunk. Grids are sized from shapes alone (an upper bound of
+ops only, the index of each sequence's first chunk and :func:`chunk_spans` the
+token span of each flat chunk. Grids are sized from shapes alone (an upper bound of
 chunks; surplus programs return), so launchers stay fake-tensor safe and never sync.
 
 Kernels load these indices (and ``cu_seqlens``) in their own body, never inside a
@@ -24,7 +24,7 @@ import triton.language as tl
 
 __all__ = [
     "chunk_offsets",
-    "chunk_sequences",
+    "chunk_spans",
     "dot_precision",
     "fixed_chunk",
     "fixed_sequence",
@@ -46,16 +46,19 @@ def chunk_offsets(cu_seqlens: torch.Tensor, chunk_size: int) -> torch.Tensor:
     return torch.cat((counts.new_zeros(1), counts.cumsum(0))).to(torch.int32)
 
 
-def chunk_sequences(offsets: torch.Tensor, bound: int) -> torch.Tensor:
-    """``[bound]`` int32: the sequence of each flat chunk, device ops only.
+def chunk_spans(cu_seqlens: torch.Tensor, offsets: torch.Tensor, bound: int,
+                chunk_size: int) -> torch.Tensor:
+    """``[bound, 2]`` int32: first token and sequence end of each flat chunk, device ops only.
 
-    The last ``n`` with ``offsets[n] <= i_c`` (empty sequences own no chunk).
-    A surplus chunk (``i_c >= offsets[-1]``) gets the last sequence, where its
-    in-sequence index is past the end: its program returns.
+    Chunk ``i`` belongs to the last sequence ``n`` with ``offsets[n] <= i`` (empty
+    sequences own no chunk). A surplus chunk (``i >= offsets[-1]``) gets a first
+    token at or past its end: its program returns.
     """
     ids = torch.arange(bound, device=offsets.device, dtype=offsets.dtype)
-    seq = torch.searchsorted(offsets, ids, right=True) - 1
-    return seq.clamp_max(offsets.shape[0] - 2).to(torch.int32)
+    seq = (torch.searchsorted(offsets, ids, right=True) - 1).clamp_max(offsets.shape[0] - 2)
+    cu = cu_seqlens.to(offsets.dtype)
+    t0 = cu[seq] + (ids - offsets[seq]) * chunk_size
+    return torch.stack((t0, cu[seq + 1]), 1).to(torch.int32)
 
 
 def num_chunks_bound(batch: int, length: int, num_seqs: int, chunk_size: int, varlen: bool):

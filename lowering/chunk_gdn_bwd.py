@@ -129,8 +129,7 @@ def _delta_tile(b_k, b_ai, b_eg, b_el, b_beta, p_s, p_ds, v, do, dv, rows, m_r, 
 
 @triton.jit
 def _chunk_gdn_bwd_grad_kernel(
-    q, k, v, gc, beta, ai, aqk, hs, dhs, do, dv, dq, dk, dg0, dg1, dbeta, cu_seqlens, offsets,
-    chunk_seq, scale, T,
+    q, k, v, gc, beta, ai, aqk, hs, dhs, do, dv, dq, dk, dg0, dg1, dbeta, spans, scale, T,
     H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
@@ -139,10 +138,8 @@ def _chunk_gdn_bwd_grad_kernel(
     scale = tl.cast(scale, tl.float32)  # Inductor passes Python floats as fp64
     i_c, i_h, i_r = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if IS_VARLEN:  # index loads in the kernel body: see _launch.py
-        i_n = tl.load(chunk_seq + i_c)
-        t0 = tl.load(cu_seqlens + i_n).to(tl.int64)
-        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-        t0 += (i_c - tl.load(offsets + i_n)).to(tl.int64) * BT
+        t0 = tl.load(spans + 2 * i_c).to(tl.int64)
+        eos = tl.load(spans + 2 * i_c + 1).to(tl.int64)
     else:
         t0, eos = fixed_chunk(i_c, T, BT)
     if t0 >= eos:
@@ -256,7 +253,7 @@ def chunk_gdn_bwd(q, k, v, g, beta, initial_state, cu_seqlens, do, dht, *,
     if dht is not None:
         dht = dht.contiguous()
     layout = gdn_layout(q, v, cu_seqlens)
-    batch, length, n, hk, hv, dk_, dv_, bound, offsets, chunk_seq = layout
+    batch, length, n, hk, hv, dk_, dv_, bound, offsets, spans = layout
     varlen = cu_seqlens is not None
     prec = dot_precision(k.dtype)
     scale = _scale(scale, q)
@@ -286,8 +283,8 @@ def chunk_gdn_bwd(q, k, v, g, beta, initial_state, cu_seqlens, do, dht, *,
     dbeta = torch.empty(beta.shape, dtype=beta.dtype, device=beta.device)
     tile, warps, stages = grad_config(dk_, dv_, k.dtype)
     wrap_triton(_chunk_gdn_bwd_grad_kernel)[(bound, hv, 2)](
-        q, k, v, gc, beta, ai, aqk, hs, dhs, do, dv, dq, dk, dg[0], dg[1], dbeta, cu_seqlens,
-        offsets, chunk_seq, scale, length,
+        q, k, v, gc, beta, ai, aqk, hs, dhs, do, dv, dq, dk, dg[0], dg[1], dbeta, spans, scale,
+        length,
         H=hv, HK=hk, K=dk_, V=dv_, BT=CHUNK, BV=tile,
         IS_VARLEN=varlen, DOT_PREC=prec, num_warps=warps, num_stages=stages,
     )

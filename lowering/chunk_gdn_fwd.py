@@ -29,7 +29,7 @@ from torch.library import wrap_triton
 
 from ._launch import (
     chunk_offsets,
-    chunk_sequences,
+    chunk_spans,
     dot_precision,
     fixed_chunk,
     fixed_sequence,
@@ -75,16 +75,16 @@ def require_gdn_kernels(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size)
 
 
 def gdn_layout(q, v, cu_seqlens):
-    """``(B, T, N, Hk, Hv, K, V, number of chunks bound, chunk offsets, chunk sequences)``
-    (the last two None at fixed length; see :func:`._launch.chunk_sequences`)."""
+    """``(B, T, N, Hk, Hv, K, V, number of chunks bound, chunk offsets, chunk spans)``
+    (the last two None at fixed length; see :mod:`._launch`)."""
     batch, length, hk, dk = q.shape
     hv, dv = v.shape[2], v.shape[3]
     varlen = cu_seqlens is not None
     n = cu_seqlens.shape[0] - 1 if varlen else batch
     bound = num_chunks_bound(batch, length, n, CHUNK, varlen)
     offsets = chunk_offsets(cu_seqlens, CHUNK) if varlen else None
-    chunk_seq = chunk_sequences(offsets, bound) if varlen else None
-    return batch, length, n, hk, hv, dk, dv, bound, offsets, chunk_seq
+    spans = chunk_spans(cu_seqlens, offsets, bound, CHUNK) if varlen else None
+    return batch, length, n, hk, hv, dk, dv, bound, offsets, spans
 
 
 def recurrence_config(k_dim: int, v_dim: int, dtype: torch.dtype, programs_per_tile: int,
@@ -177,16 +177,14 @@ def _dot32(a, b):
 
 @triton.jit
 def _chunk_gdn_prepare_kernel(
-    q, k, g, beta, gc, ai, aqk, scratch, cu_seqlens, offsets, chunk_seq, T,
+    q, k, g, beta, gc, ai, aqk, scratch, spans, T,
     H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
     IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     if IS_VARLEN:  # index loads in the kernel body: see _launch.py
-        i_n = tl.load(chunk_seq + i_c)
-        t0 = tl.load(cu_seqlens + i_n).to(tl.int64)
-        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-        t0 += (i_c - tl.load(offsets + i_n)).to(tl.int64) * BT
+        t0 = tl.load(spans + 2 * i_c).to(tl.int64)
+        eos = tl.load(spans + 2 * i_c + 1).to(tl.int64)
     else:
         t0, eos = fixed_chunk(i_c, T, BT)
     if t0 >= eos:
@@ -321,13 +319,13 @@ def _chunk_gdn_fwd_kernel(
 def gdn_prepare(q, k, g, beta, cu_seqlens, layout):
     """Launch the prepare kernel: ``(G, Ai, M)``; ``G`` float32 ``[B, T, Hv]``, ``Ai`` and
     ``M`` ``[B, T, Hv, 64]`` in ``k``'s dtype (row ``t`` of its chunk's matrix)."""
-    batch, length, n, hk, hv, dk, _, bound, offsets, chunk_seq = layout
+    batch, length, n, hk, hv, dk, _, bound, _, spans = layout
     gc = torch.empty(g.shape, dtype=torch.float32, device=g.device)
     ai = k.new_empty((batch, length, hv, CHUNK))
     aqk = k.new_empty((batch, length, hv, CHUNK))
     scratch = torch.empty((batch, length, hv, CHUNK), dtype=torch.float32, device=k.device)
     wrap_triton(_chunk_gdn_prepare_kernel)[(bound, hv)](
-        q, k, g, beta, gc, ai, aqk, scratch, cu_seqlens, offsets, chunk_seq, length,
+        q, k, g, beta, gc, ai, aqk, scratch, spans, length,
         H=hv, HK=hk, K=dk, BT=CHUNK, BC=_SUB,
         IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(k.dtype),
         num_warps=prepare_warps(dk, k.dtype),

@@ -130,7 +130,7 @@ def record_launches(B=1, T=70, H=2, K=64, dtypes=(torch.bfloat16, torch.float32)
     return first
 
 
-_INDEX_TENSORS = {"cu_seqlens", "offsets", "chunk_seq", "chunk_first", "chunk_offsets"}
+_INDEX_TENSORS = {"cu_seqlens", "offsets", "spans", "chunk_seq", "chunk_first", "chunk_offsets"}
 
 
 def written_indices(kernel, args, kwargs) -> set[str]:

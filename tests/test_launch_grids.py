@@ -99,3 +99,15 @@ def test_launchers_refuse_uncovered_head_sizes():
         two_key_fwd(q, k, k, v, gk, None, None, **kw)
     with pytest.raises(ValueError, match=r"two-key Triton kernels do not cover .*K=32, V=16"):
         two_key_bwd(q, k, k, v, gk, None, None, *([None] * 10), v, None, **kw)
+
+
+def test_chunk_spans_skip_empty_sequences_and_end_surplus_chunks():
+    from kdn_compile.lowering._launch import chunk_offsets, chunk_spans, num_chunks_bound
+
+    cu = torch.tensor([0, 0, 70, 70, 71, 200])  # empty, 2 chunks, empty, 1, 3 chunks
+    offsets = chunk_offsets(cu, 64)
+    bound = num_chunks_bound(1, 200, 5, 64, True)
+    spans = chunk_spans(cu, offsets, bound, 64).tolist()
+    real = [[0, 70], [64, 70], [70, 71], [71, 200], [135, 200], [199, 200]]
+    assert spans[:6] == real
+    assert bound > 6 and all(t0 >= end for t0, end in spans[6:]), spans
