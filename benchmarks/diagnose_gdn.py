@@ -1,8 +1,8 @@
 """Which GDN kernel configurations are correct on this GPU, head size by head size.
 
 Each job runs in its own process (an illegal memory access poisons a CUDA
-context): GDN kernels with the head-size guard lifted and, optionally, one
-kernel's launch configuration forced, against the float64 reference on fresh
+context): GDN kernels with their launch configurations or, optionally, one
+kernel's configuration forced, against the float64 reference on fresh
 inputs (outputs poisoned with NaN first). Prints one line per job: relative
 errors of the prepare kernel's ``(I + A)^-1`` and ``M``, of ``o``, the final
 state and every gradient, or the error that stopped it. With ``$OUT`` set,
@@ -25,23 +25,19 @@ import sys
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 HALF_DIMS = [(16, 16), (32, 32), (32, 16), (16, 64), (64, 16), (128, 32), (32, 128),
-             (64, 256), (256, 64), (128, 256), (256, 128), (256, 256)]
+             (64, 256), (256, 64), (128, 256), (256, 128), (256, 256), (16, 256), (256, 16)]
+FP32_DIMS = [(16, 16), (256, 64), (128, 256), (256, 256), (16, 256)]
+# 2026-11-30 (call 1 of the fourth session) the launchers ran one pipeline stage in the
+# state passes at K = 256 and 4 warps in the per-chunk backward at every size; the jobs
+# then also forced one kernel's configuration at a time ("rec", "grad", "prep"): that is
+# how one stage (half inputs) and 4 or 8 warps (half inputs, a head size below 64) were
+# found miscompiled. docs/benchmarks.md has the table.
 
 
 def jobs() -> list[dict]:
+    """Every head-size pair above with the launchers' own configurations, each dtype."""
     out = [{"dtype": dt, "K": K, "V": V} for dt in ("bf16", "fp16") for K, V in HALF_DIMS]
-    out += [{"dtype": "fp32", "K": K, "V": V} for K, V in ((256, 64), (128, 256), (256, 256))]
-    # the two failures of 2026-11-30, one kernel's configuration varied at a time
-    for bv in (16, 32):
-        for stages in (1, 2):
-            for warps in (4, 8):
-                out.append({"dtype": "bf16", "K": 256, "V": 256, "rec": [bv, stages, warps]})
-    out += [{"dtype": "bf16", "K": 256, "V": 256, "prep": w} for w in (2, 8)]
-    out += [{"dtype": "bf16", "K": 256, "V": 256, "grad": [bv, 4, 1]} for bv in (32,)]
-    for warps in (2, 4, 8):
-        for stages in (1, 2):
-            out.append({"dtype": "fp16", "K": 32, "V": 16, "grad": [16, warps, stages]})
-    out += [{"dtype": "fp16", "K": 32, "V": 16, "rec": [16, s, w]} for s in (1, 2) for w in (2, 4)]
+    out += [{"dtype": "fp32", "K": K, "V": V} for K, V in FP32_DIMS]
     return out
 
 
@@ -89,7 +85,6 @@ def one(job: dict) -> dict:
     from tests._helpers import rel_error
 
     torch.backends.cuda.matmul.allow_tf32 = False
-    fwd.head_dims_verified = lambda dtype, *dims: True
     if "rec" in job:
         bv, stages, warps = job["rec"]
         fwd.recurrence_config = bwd.recurrence_config = (

@@ -231,8 +231,13 @@ def grad_config(k_dim: int, v_dim: int, dtype: torch.dtype) -> tuple[int, int, i
     BV 16, 4 warps: the sm_90 cubin (Triton 3.6, bf16, K = V = 128, pointers marked
     16-byte aligned as at run time) uses 255 registers and 248 B of stack a thread;
     BV 32 472 B, BV 64 880 B, 8 warps 296-936 B (docs/benchmarks.md, third session).
+    With half inputs and a head size below 64, 4 or 8 warps are miscompiled by Triton
+    3.6 on the H200 (``benchmarks/diagnose_gdn.py``, 2026-11-30: wrong ``dk`` at
+    K = 16, 32 and at V = 16, illegal accesses at K, V <= 32, V = 16), as FLA found
+    for its similar WY backward kernel (FLA issue 984); 2 warps were right: 2 there.
     """
-    return 16, 4, 1
+    half = dtype != torch.float32
+    return 16, 2 if half and min(k_dim, v_dim) < 64 else 4, 1
 
 
 def chunk_gdn_bwd(q, k, v, g, beta, initial_state, cu_seqlens, do, dht, *,

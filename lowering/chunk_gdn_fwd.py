@@ -33,7 +33,6 @@ from ._launch import (
     dot_precision,
     fixed_chunk,
     fixed_sequence,
-    head_dims_verified,
     num_chunks_bound,
     sm_count,
     state_tile,
@@ -48,21 +47,23 @@ __all__ = [
 CHUNK = 64  # tokens per chunk: the kernels are written for 4 blocks of 16
 _SUB = 16
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_HEAD_DIMS = (16, 32, 64, 128, 256)
 
 
 def gdn_kernel_supports(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size) -> bool:
     """Whether the Triton GDN kernels cover these inputs (shapes and dtypes only).
 
     Covered: ``chunk_size == 64``; q, k, v in float16, bfloat16 or float32 (one
-    dtype) with head sizes ``K``, ``V`` of :func:`._launch.head_dims_verified`
-    (64 or 128 for half inputs, powers of two in ``[16, 128]`` for float32);
-    ``g``/``beta`` floating and not float64; ``initial_state`` any floating dtype
-    but float64. Devices are the caller's concern. Reads no tensor values.
+    dtype) with head sizes ``K``, ``V`` powers of two in ``[16, 256]`` (each
+    size checked on the H200 against the float64 reference, forward and every
+    gradient: ``benchmarks/diagnose_gdn.py``); ``g``/``beta`` floating and not
+    float64; ``initial_state`` any floating dtype but float64. Devices are the
+    caller's concern. Reads no tensor values.
     """
     dims = (k.shape[-1], v.shape[-1])
     if chunk_size != CHUNK or q.dtype not in _DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
         return False
-    if not head_dims_verified(q.dtype, *dims):
+    if not all(d in _HEAD_DIMS for d in dims):
         return False
     others = (g, beta) + ((initial_state,) if initial_state is not None else ())
     return all(t.dtype in _DTYPES for t in others)
@@ -95,20 +96,24 @@ def recurrence_config(k_dim: int, v_dim: int, dtype: torch.dtype, programs_per_t
     Their grid is sequences x heads x value tiles, so narrow tiles buy
     parallelism when there are few sequences: the largest tile (at most 64, 32
     for K = 256, 16 for float32 with K >= 128) that keeps two programs per
-    multiprocessor. Two pipeline stages when a chunk's k, q tiles are at most
-    256 bytes a row (bf16/fp16 with K <= 128); else one, to fit shared memory.
+    multiprocessor. Two pipeline stages, except float32 with K >= 128 (one, to fit
+    shared memory).
 
     Measured (H200, bf16, K = V = 128, 2026-11-30, fwd / fwd+bwd ms): 8x4096x16
     BV 16: 1.69 / 6.22, 32: 1.31 / 5.40, 64: 1.30 / 5.60 (this picks 32);
     1x32768x16 BV 16: 2.12 / 7.42, 32: 2.17 / 7.65, 64: 2.28 / 9.71 (picks 16).
     Shared memory (ptxas, bf16, K = 128, two stages): 107 / 115 / 131 KB at BV
-    16 / 32 / 64, so one program per multiprocessor above BV 16.
+    16 / 32 / 64, so one program per multiprocessor above BV 16. With half inputs
+    one stage is miscompiled by Triton 3.6 on the H200 (``benchmarks/diagnose_gdn.py``,
+    2026-11-30: bf16 K = 256 wrong outputs at BV 16 and 32 with 4 or 8 warps, an
+    illegal access at 8; fp16 K = 32, V = 16 wrong at 4 warps); two stages were
+    right in every case tried.
     """
     row_bytes = k_dim * dtype.itemsize
     tile = min(v_dim, 64 if k_dim <= 128 else 32, 16 if row_bytes >= 512 else 64)
     while tile > 16 and programs_per_tile * (v_dim // tile) < 2 * sm_count(device):
         tile //= 2
-    return tile, 2 if row_bytes <= 256 else 1, 4
+    return tile, 1 if dtype == torch.float32 and k_dim >= 128 else 2, 4
 
 
 def prepare_warps(k_dim: int, dtype: torch.dtype) -> int:

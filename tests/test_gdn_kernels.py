@@ -142,14 +142,14 @@ def test_supports():
     args = [x[n] for n in ("q", "k", "v", "g", "beta", "initial_state")] + [None]
     assert gdn_kernel_supports(*args, 64)
     assert not gdn_kernel_supports(*args, 32)
-    # half inputs: head dims 64 and 128 only (others failed on the H200, see the docstring)
-    for dims in ((32, 16), (256, 256), (128, 256)):
-        h = _inputs(1, 8, 1, 1, *dims, N=1, dtype=torch.float16, device="cpu", seed=0)
+    # every power of two in [16, 256], each dtype (checked on the H200: diagnose_gdn.py)
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        for dims in ((16, 16), (32, 16), (256, 256), (128, 256), (16, 256)):
+            h = _inputs(1, 8, 1, 1, *dims, N=1, dtype=dtype, device="cpu", seed=0)
+            assert gdn_kernel_supports(*[h[n] for n in GRADS], None, 64), (dtype, dims)
+    for dims in ((512, 64), (64, 8)):
+        h = _inputs(1, 8, 1, 1, *dims, N=1, dtype=torch.bfloat16, device="cpu", seed=0)
         assert not gdn_kernel_supports(*[h[n] for n in GRADS], None, 64), dims
-    f = _inputs(1, 8, 1, 1, 16, 32, N=1, dtype=torch.float32, device="cpu", seed=0)
-    assert gdn_kernel_supports(*[f[n] for n in GRADS], None, 64)
-    f = _inputs(1, 8, 1, 1, 256, 256, N=1, dtype=torch.float32, device="cpu", seed=0)
-    assert not gdn_kernel_supports(*[f[n] for n in GRADS], None, 64)
     y = _inputs(1, 8, 1, 1, 24, 32, N=1, dtype=torch.float32, device="cpu", seed=0)
     assert not gdn_kernel_supports(*[y[n] for n in GRADS], None, 64)
     z = _inputs(1, 8, 1, 1, 16, 16, N=1, dtype=torch.float64, device="cpu", seed=0)
@@ -158,7 +158,7 @@ def test_supports():
 
 # -- GPU ------------------------------------------------------------------------------------
 
-BF16, FP32 = (torch.bfloat16, 1e-2), (torch.float32, 1e-3)
+BF16, HALF, FP32 = (torch.bfloat16, 1e-2), (torch.float16, 1e-2), (torch.float32, 1e-3)
 GPU_CASES = [
     # dtype and tolerance, B, T, Hk, Hv, K, V, cu_seqlens, gate_scale
     pytest.param(*BF16, 2, 1000, 2, 4, 128, 128, None, 1.0, id="bf16-grouped"),
@@ -171,6 +171,12 @@ GPU_CASES = [
                  id="fp32-varlen-strong-gates"),
     pytest.param(*BF16, 1, 300, 1, 1, 64, 128, None, 1.0, id="bf16-K64-V128"),
     pytest.param(*FP32, 1, 300, 1, 1, 32, 128, None, 1.0, id="fp32-K32-V128"),
+    # sizes that failed with earlier launch configurations (diagnose_gdn.py, 2026-11-30)
+    pytest.param(*BF16, 2, 300, 1, 2, 256, 256, None, 1.0, id="bf16-K256-V256"),
+    pytest.param(*HALF, 1, 500, 2, 2, 32, 16, [0, 100, 500], 1.0, id="fp16-K32-V16-varlen"),
+    pytest.param(*BF16, 1, 300, 1, 1, 16, 64, None, 1.0, id="bf16-K16-V64"),
+    pytest.param(*HALF, 1, 300, 1, 1, 256, 128, None, 1.0, id="fp16-K256-V128"),
+    pytest.param(*BF16, 1, 300, 1, 1, 64, 16, None, 1.0, id="bf16-K64-V16"),
 ]
 
 

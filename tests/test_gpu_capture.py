@@ -77,7 +77,7 @@ def test_cuda_graphs_reduce_overhead(name):
 _AOTI_SCRIPT = """
 import sys, torch
 import kdn_compile.layers as layers
-name, path = sys.argv[1], sys.argv[2]
+name, path, mode = sys.argv[1], sys.argv[2], sys.argv[3]
 torch.manual_seed(0)
 if name == "control":
     inner = torch.nn.Linear(256, 256)
@@ -101,6 +101,14 @@ seq = torch.export.Dim("seq", min=2, max=4096)
 with torch.no_grad():
     program = torch.export.export(model, (x,), dynamic_shapes={"x": {1: seq}})
     torch._inductor.aoti_compile_and_package(program, package_path=path)
+    if mode == "package":  # kernel names found in the package's files, one per line
+        import zipfile
+        with zipfile.ZipFile(path) as package:
+            blobs = [package.read(n) for n in package.namelist()]
+        for kernel in sys.argv[4:]:
+            if any(kernel.encode() in blob for blob in blobs):
+                print("found", kernel)
+        sys.exit(0)
     loaded = torch._inductor.aoti_load_package(path)
     x2 = torch.randn(1, 300, 256, device="cuda", dtype=torch.bfloat16)
     want = model(x2).double()
@@ -110,13 +118,41 @@ sys.exit(0 if err < 2e-2 else 1)
 """
 
 
-def _aoti(name, tmp_path):
-    """Package and load in a child process: a crash in AOTInductor's loader is a result."""
+def _aoti(name, tmp_path, mode="load", kernels=()):
+    """Package (and in mode "load" load and run) in a child process: a crash in
+    AOTInductor's loader is a result."""
     import subprocess
     import sys
 
-    return subprocess.run([sys.executable, "-c", _AOTI_SCRIPT, name, str(tmp_path / f"{name}.pt2")],
-                          capture_output=True, text=True, timeout=600)
+    return subprocess.run([sys.executable, "-c", _AOTI_SCRIPT, name, str(tmp_path / f"{name}.pt2"),
+                           mode, *kernels], capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.parametrize("name", list(LAYERS))
+def test_export_runs_our_op_at_another_length(name):
+    """torch.export on CUDA keeps our kernel-backed op in the graph (not the reference op)
+    and the exported module matches eager at a length it was not traced at."""
+    layer = _layer(name).eval()
+    seq = torch.export.Dim("seq", min=2, max=4096)
+    x = torch.randn(1, 192, 256, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        program = torch.export.export(layer, (x,), dynamic_shapes=({1: seq},))
+        x2 = torch.randn(1, 300, 256, device="cuda", dtype=torch.bfloat16)
+        got, want = program.module()(x2)[0], layer(x2)[0]
+    ops = {str(n.target) for n in program.graph.nodes
+           if n.op == "call_function" and str(n.target).startswith("kdn.")}
+    assert ops and not any("reference" in op for op in ops), ops
+    assert_close(got, want, 2e-2, "exported module vs eager at T=300")
+
+
+@pytest.mark.parametrize("name", list(LAYERS))
+def test_aoti_package_contains_our_kernels(name, tmp_path):
+    """AOTInductor compiles an exported layer (dynamic length) into a package that
+    carries our Triton kernels (their names are in the package's files)."""
+    kernels = LAYERS[name][1][:1]
+    done = _aoti(name, tmp_path, "package", kernels)
+    assert done.returncode == 0, f"rc {done.returncode}: {done.stdout}{done.stderr[-3000:]}"
+    assert all(f"found {k}" in done.stdout for k in kernels), done.stdout
 
 
 @pytest.mark.parametrize("name", list(LAYERS))

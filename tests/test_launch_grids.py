@@ -79,8 +79,9 @@ def test_diag_kdn_many_short_sequences(grids):
 
 
 def test_launchers_refuse_uncovered_head_sizes():
-    """The launchers themselves refuse what the supports checks refuse (fp16 K=32, V=16
-    faulted on the H200): a direct call raises a named ValueError, no kernel starts."""
+    """The launchers themselves refuse what the supports checks refuse (GDN: K = 24;
+    two-key: fp16 K=32, V=16, not checked on the H200): a direct call raises a named
+    ValueError, no kernel starts."""
     from kdn_compile.lowering.chunk_gdn_bwd import chunk_gdn_bwd
     from kdn_compile.lowering.chunk_gdn_fwd import chunk_gdn_fwd
     from kdn_compile.lowering.two_key_bwd import two_key_bwd
@@ -90,10 +91,11 @@ def test_launchers_refuse_uncovered_head_sizes():
     q, k = torch.zeros(1, 8, 1, 32, dtype=h), torch.zeros(1, 8, 1, 32, dtype=h)
     v, g, beta = torch.zeros(1, 8, 1, 16, dtype=h), torch.zeros(1, 8, 1), torch.zeros(1, 8, 1)
     kw = dict(chunk_size=64, scale=1.0, state_v_first=False)
-    with pytest.raises(ValueError, match=r"GDN kernels do not cover .*K=32, V=16"):
-        chunk_gdn_fwd(q, k, v, g, beta, None, None, **kw)
-    with pytest.raises(ValueError, match=r"GDN kernels do not cover .*K=32, V=16"):
-        chunk_gdn_bwd(q, k, v, g, beta, None, None, v, None, **kw)
+    q24 = torch.zeros(1, 8, 1, 24, dtype=h)  # GDN: powers of two from 16 to 256
+    with pytest.raises(ValueError, match=r"GDN kernels do not cover .*K=24, V=16"):
+        chunk_gdn_fwd(q24, q24, v, g, beta, None, None, **kw)
+    with pytest.raises(ValueError, match=r"GDN kernels do not cover .*K=24, V=16"):
+        chunk_gdn_bwd(q24, q24, v, g, beta, None, None, v, None, **kw)
     gk = torch.zeros(1, 8, 1, 32)
     with pytest.raises(ValueError, match=r"two-key Triton kernels do not cover .*K=32, V=16"):
         two_key_fwd(q, k, k, v, gk, None, None, **kw)
