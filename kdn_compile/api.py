@@ -118,8 +118,9 @@ def chunk_gdn(
             is not a positive int, mixed devices, a ``w_quantizer`` result not of
             ``W``'s shape.
         TypeError: non-float inputs, mixed q/k/v dtypes, non-integer ``cu_seqlens``,
-            a non-numeric ``chunk_size``, non-bool flags, a non-float ``scale``,
-            a ``w_quantizer`` result that is not a float tensor.
+            a non-numeric ``chunk_size``, non-bool flags, a ``scale`` that is not a
+            number (an int is taken as a float), a ``w_quantizer`` result that is not
+            a float tensor.
 
     Source: the chunked WY form of the gated delta rule (Yang et al., Gated Delta
     Networks, 2024), as specified by :func:`kdn_compile.reference.chunk_gdn_reference`.

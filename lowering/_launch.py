@@ -18,6 +18,7 @@ import triton.language as tl
 __all__ = [
     "chunk_offsets",
     "dot_precision",
+    "head_dims_verified",
     "locate_chunk",
     "num_chunks_bound",
     "sequence_span",
@@ -47,6 +48,21 @@ def num_chunks_bound(batch: int, length: int, num_seqs: int, chunk_size: int, va
     if varlen:
         return triton.cdiv(length, chunk_size) + num_seqs - 1
     return batch * triton.cdiv(length, chunk_size)
+
+
+def head_dims_verified(dtype: torch.dtype, *dims: int) -> bool:
+    """Whether the chunked kernels (GDN, two-key) take head sizes ``dims`` in ``dtype``.
+
+    The sizes that passed against the float64 reference on the H200 (Triton 3.6,
+    2026-11-30): 64 and 128 for float16/bfloat16, powers of two in ``[16, 128]``
+    for float32. Outside them the GDN kernels failed there (bf16 ``K = V = 256``: a
+    wrong output; fp16 ``K = 32, V = 16``: an illegal memory access), and the
+    two-key kernels, which share their tile shapes, were never checked; the
+    interpreter's bounds check finds no out-of-buffer access at those sizes.
+    Inputs outside take the reference.
+    """
+    allowed = (16, 32, 64, 128) if dtype == torch.float32 else (64, 128)
+    return all(d in allowed for d in dims)
 
 
 def dot_precision(dtype: torch.dtype) -> str:

@@ -30,6 +30,7 @@ from torch.library import wrap_triton
 from ._launch import (
     chunk_offsets,
     dot_precision,
+    head_dims_verified,
     locate_chunk,
     num_chunks_bound,
     sequence_chunks,
@@ -51,22 +52,15 @@ def gdn_kernel_supports(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size)
     """Whether the Triton GDN kernels cover these inputs (shapes and dtypes only).
 
     Covered: ``chunk_size == 64``; q, k, v in float16, bfloat16 or float32 (one
-    dtype); ``K`` and ``V`` in ``{64, 128}`` for float16/bfloat16, powers of two in
-    ``[16, 128]`` for float32; ``g``/``beta`` floating and not float64;
-    ``initial_state`` any floating dtype but float64. Devices are the caller's
-    concern. Reads no tensor values.
-
-    The head dims are those that passed against the float64 reference on the
-    H200 (Triton 3.6, 2026-11-30). Outside them the kernels failed there: bf16
-    ``K = V = 256`` gave a wrong output (relative error 0.72), fp16 ``K = 32,
-    V = 16`` an illegal memory access in the backward's per-chunk kernel; fp32
-    ``K = V = 256`` was not checked. Those inputs take the reference.
+    dtype) with head sizes ``K``, ``V`` of :func:`._launch.head_dims_verified`
+    (64 or 128 for half inputs, powers of two in ``[16, 128]`` for float32);
+    ``g``/``beta`` floating and not float64; ``initial_state`` any floating dtype
+    but float64. Devices are the caller's concern. Reads no tensor values.
     """
     dims = (k.shape[-1], v.shape[-1])
     if chunk_size != CHUNK or q.dtype not in _DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
         return False
-    allowed = (16, 32, 64, 128) if q.dtype == torch.float32 else (64, 128)
-    if any(d not in allowed for d in dims):
+    if not head_dims_verified(q.dtype, *dims):
         return False
     others = (g, beta) + ((initial_state,) if initial_state is not None else ())
     return all(t.dtype in _DTYPES for t in others)

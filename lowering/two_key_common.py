@@ -37,6 +37,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._launch import head_dims_verified
+
 BT = 64  # tokens per chunk (the only supported chunk size)
 BC = 16  # sub-block of the intra-chunk algebra (smallest tensor-core tile)
 LOG_DECAY_BOUND = -20.0
@@ -49,21 +51,16 @@ def two_key_kernel_supports(
 ) -> bool:
     """Whether the Triton kernels handle these inputs (else use the reference).
 
-    Needs CUDA (or the Triton interpreter on CPU), ``chunk_size == 64``, key and
-    value head sizes powers of two in ``[16, 256]`` and fp16/bf16/fp32 inputs.
-    Reads shapes and dtypes only.
+    Needs CUDA (or the Triton interpreter on CPU), ``chunk_size == 64``,
+    fp16/bf16/fp32 inputs and key and value head sizes of
+    :func:`._launch.head_dims_verified` (64 or 128 for half inputs, powers of two
+    in ``[16, 128]`` for float32). Reads shapes and dtypes only.
     """
-    key_dim, value_dim = q.shape[-1], v.shape[-1]
-
-    def pow2(n: int) -> bool:
-        return 16 <= n <= 256 and (n & (n - 1)) == 0
-
     return (
         chunk_size == BT
-        and pow2(key_dim)
-        and pow2(value_dim)
         and q.dtype in _DTYPES
         and v.dtype == q.dtype
+        and head_dims_verified(q.dtype, q.shape[-1], v.shape[-1])
     )
 
 

@@ -141,6 +141,10 @@ def test_bad_state_or_input_rank_is_rejected_by_name(name):
     # an unbatched [T, D] input used to fail inside torch.cat ("same number of dimensions")
     with pytest.raises(ValueError, match=r"x must be \[B, T, D\] \(3 dims\), got shape \(6, 24\)"):
         layer(inputs(1, 6)[0])
+    # another hidden size used to fail inside a projection ("mat1 and mat2 shapes ...")
+    with pytest.raises(ValueError, match=r"x must be \[B, T, D\] with D = hidden_size = 24, "
+                                         r"got shape \(1, 6, 23\)"):
+        layer(inputs(1, 6)[..., :23])
 
 
 def test_conv_does_not_leak_across_sequences():

@@ -187,7 +187,7 @@ def test_interpreter_fp16_floor_decay_gradient(poisoned):
     """Half-precision intermediates with decays at log(1e-6): dlog_decay must not lose
     its small values to cancellation (it did, 42% in bf16 on the H200, before the
     c_last gradient was formed from the same products as the per-row terms)."""
-    x = two_key_inputs(1, 130, 1, 1, 32, 32, gate_min=LOG_MEMORY_ALPHA_FLOOR, floor_share=0.5)
+    x = two_key_inputs(1, 130, 1, 1, 64, 64, gate_min=LOG_MEMORY_ALPHA_FLOOR, floor_share=0.5)
     run_case(x, None, dtype=torch.float16, device="cpu", tol=1e-2)
 
 
@@ -198,6 +198,14 @@ def test_supports():
     assert not two_key_kernel_supports(q, torch.empty(1, 4, 2, 96), chunk_size=64)
     assert not two_key_kernel_supports(q.double(), torch.empty(1, 4, 2, 128).double(),
                                        chunk_size=64)
+    # half inputs: head sizes 64 and 128 only; float32 from 16 (see head_dims_verified)
+    half = torch.empty(1, 4, 2, 32, dtype=torch.bfloat16)
+    assert not two_key_kernel_supports(half, half, chunk_size=64)
+    wide = torch.empty(1, 4, 2, 256, dtype=torch.float16)
+    assert not two_key_kernel_supports(wide, wide, chunk_size=64)
+    assert two_key_kernel_supports(wide[..., :64], wide[..., :128], chunk_size=64)
+    small = torch.empty(1, 4, 2, 16)
+    assert two_key_kernel_supports(small, small, chunk_size=64)
 
 
 # ---------------------------------------------------------------- CUDA

@@ -162,10 +162,15 @@ def convolved_qkv(layer: nn.Module, x: torch.Tensor, conv_cache, cu_seqlens, val
     v [B, T, value_heads, V], conv_cache)``; q and k are not normalized here.
 
     Raises:
-        ValueError: ``x`` is not ``[B, T, D]`` (an unbatched ``[T, D]``, say).
+        ValueError: ``x`` is not ``[B, T, D]`` (an unbatched ``[T, D]``, say) with
+            ``D`` the layer's ``hidden_size``.
     """
     if x.dim() != 3:
         raise ValueError(f"x must be [B, T, D] (3 dims), got shape {tuple(x.shape)}")
+    hidden = layer.q_proj.in_features
+    if x.shape[-1] != hidden:
+        raise ValueError(f"x must be [B, T, D] with D = hidden_size = {hidden}, "
+                         f"got shape {tuple(x.shape)}")
     qkv = torch.cat((layer.q_proj(x), layer.k_proj(x), layer.v_proj(x)), dim=-1)
     qkv, conv_cache = layer.conv(qkv, conv_cache, cu_seqlens)
     key_width = layer.num_heads * layer.head_dim

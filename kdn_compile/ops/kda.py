@@ -67,7 +67,8 @@ def _kda_kernels(q, v, chunk_size) -> bool:
     Kernels: a device that can launch them (CUDA, or eager CPU under
     ``TRITON_INTERPRET=1``) and the shapes and dtypes of
     :func:`~kdn_compile.lowering.two_key_common.two_key_kernel_supports` (chunk
-    size 64, K and V powers of two in [16, 256], half or float32 inputs).
+    size 64; K and V in {64, 128} for half inputs, powers of two in [16, 128]
+    for float32).
     """
     return can_launch(q) and two_key_kernel_supports(q, v, chunk_size=chunk_size)
 
