@@ -12,8 +12,8 @@ FLA (fla-core 0.6.0) refuses its GDN backward on Triton >= 3.4, < 3.7.1 on
 Hopper (a miscompiled gated kernel, FLA issue 640); the refusal is lifted here to
 time it, so its backward numbers are its speed, not a correct result. Before
 timing, checks that the two forwards agree. ``--sweep`` also times our
-recurrence at each value tile and pipeline depth and ``--profile`` prints per-kernel times of one
-forward + backward. Prints a markdown table; with ``$OUT`` set, writes the rows
+recurrence at each value tile and pipeline depth and ``--profile`` prints per-kernel times of five
+forward + backward steps, ours and FLA's. Prints a markdown table; with ``$OUT`` set, writes the rows
 as JSON there. Run: ``python benchmarks/bench_gdn.py [--shapes 8x4096x16x16,...]``.
 """
 
@@ -29,6 +29,7 @@ import torch.nn.functional as F
 import triton
 
 import kdn_compile
+from _profile import print_profile
 from kdn_compile.lowering import chunk_gdn_fwd as fwd_module
 
 SHAPES = "8x4096x16x16,1x32768x16x16,4x4096x16x32"
@@ -97,7 +98,7 @@ def sweep(inputs, scale, do):
     for tile in (16, 32, 64):
         for stages in (1, 2):
             def fixed(k_dim, v_dim, dtype, programs, device, _tile=tile, _stages=stages):
-                return min(_tile, v_dim), _stages
+                return min(_tile, v_dim), _stages, 4
             fwd_module.recurrence_config = bwd_module.recurrence_config = fixed
             try:
                 found[f"BV{tile}/s{stages}"] = (bench(lambda: ours(*inputs, scale)),
@@ -135,14 +136,11 @@ def main() -> None:
     if args.profile:  # first: a run cut short still shows where the time goes
         B, T, Hk, Hv = (int(s) for s in args.shapes.split(",")[0].split("x"))
         inputs = make_inputs(B, T, Hk, Hv)
-        step = fwd_bwd(ours, inputs, 128 ** -0.5, torch.randn_like(inputs[2]))
-        step()
-        torch.cuda.synchronize()
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            for _ in range(5):
-                step()
-            torch.cuda.synchronize()
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14), flush=True)
+        for name, fn in (("ours", ours), ("FLA", fla)):
+            if fn is None:
+                continue
+            step = fwd_bwd(fn, inputs, 128 ** -0.5, torch.randn_like(inputs[2]))
+            print_profile(f"{name}, fwd+bwd at {B}x{T}x{Hk}x{Hv}", step)
         del inputs, step
         torch.cuda.empty_cache()
 

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 import triton
 
 import kdn_compile
+from _profile import print_profile
 from kdn_compile.lowering.two_key_bwd import two_key_bwd
 from kdn_compile.lowering.two_key_fwd import two_key_fwd
 
@@ -73,6 +74,17 @@ def diag_kdn_inputs(q, k, v, g, h0):
             for t in (q, k, v, g, omega, r, h0, precision)]
 
 
+def fla_step(chunk_kda, inputs, scale, do):
+    """One FLA ``chunk_kda`` forward + backward through autograd, on fresh leaves."""
+    leaves = [t.detach().clone().requires_grad_() for t in inputs]
+
+    def step():
+        out, _ = chunk_kda(*leaves[:5], scale=scale, initial_state=leaves[5],
+                           output_final_state=True)
+        torch.autograd.backward([out], [do])
+    return step
+
+
 def bench(fn):
     return triton.testing.do_bench(fn, warmup=50, rep=200, return_mode="median")
 
@@ -90,6 +102,15 @@ def main() -> None:
         chunk_kda = None
     if args.no_fla:
         chunk_kda = None
+    if args.profile:  # first: a run cut short still shows where the time goes
+        B, T, H = (int(s) for s in args.shapes.split(",")[0].split("x"))
+        q, k, v, g, beta, h0 = make_inputs(B, T, H)
+        do = torch.randn_like(v)
+        steps = [("ours", lambda: ours_fwd_bwd(q, k, v, g, beta, h0, 128 ** -0.5, do))]
+        if chunk_kda is not None:
+            steps.append(("FLA", fla_step(chunk_kda, (q, k, v, g, beta, h0), 128 ** -0.5, do)))
+        for name, step in steps:
+            print_profile(f"{name}, fwd+bwd at {B}x{T}x{H}", step)
     rows = []
     for shape in args.shapes.split(","):
         B, T, H = (int(s) for s in shape.split("x"))
@@ -126,30 +147,11 @@ def main() -> None:
             row["state_vs_fla"] = float((final - s_fla.float()).norm() / s_fla.float().norm())
             row["fla_fwd"] = bench(lambda: chunk_kda(q, k, v, g, beta, scale=scale,
                                                      initial_state=h0, output_final_state=True))
-            leaves = [t.detach().clone().requires_grad_() for t in (q, k, v, g, beta, h0)]
-
-            def fla_fwd_bwd():
-                out, _ = chunk_kda(*leaves[:5], scale=scale, initial_state=leaves[5],
-                                   output_final_state=True)
-                torch.autograd.backward([out], [do])
-
-            row["fla_fwd_bwd"] = bench(fla_fwd_bwd)
+            row["fla_fwd_bwd"] = bench(fla_step(chunk_kda, (q, k, v, g, beta, h0), scale, do))
         rows.append(row)
         print(row, flush=True)
         del q, k, v, g, beta, h0, do
         torch.cuda.empty_cache()
-
-    if args.profile:
-        B, T, H = (int(s) for s in args.shapes.split(",")[0].split("x"))
-        q, k, v, g, beta, h0 = make_inputs(B, T, H)
-        do = torch.randn_like(v)
-        ours_fwd_bwd(q, k, v, g, beta, h0, 128 ** -0.5, do)
-        torch.cuda.synchronize()
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            for _ in range(5):
-                ours_fwd_bwd(q, k, v, g, beta, h0, 128 ** -0.5, do)
-            torch.cuda.synchronize()
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14))
 
     meta = {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),

@@ -1,10 +1,17 @@
 """Launch helpers shared by the chunked delta-rule kernels.
 
 Chunk bookkeeping stays on the device: :func:`chunk_offsets` builds, with tensor
-ops only, the index of each sequence's first chunk, and the device function
-:func:`locate_chunk` maps a program's flat chunk index to its sequence by binary
-search over it. Grids are sized from shapes alone (an upper bound of chunks;
-surplus programs return), so launchers stay fake-tensor safe and never sync.
+ops only, the index of each sequence's first chunk and :func:`chunk_spans` the
+token span of each flat chunk. Grids are sized from shapes alone (an upper bound of
+chunks; surplus programs return), so launchers stay fake-tensor safe and never sync.
+
+Kernels load these indices (and ``cu_seqlens``) in their own body, never inside a
+``@triton.jit`` helper: torch's mutation analysis of a ``wrap_triton`` kernel (its
+TTIR before inlining) counts every pointer passed to a helper whose result reaches a
+store address as written. A kernel seen writing its ``cu_seqlens`` gets a copy of it
+at every launch, and one seen writing a tensor that an op saves for its backward
+breaks AOTAutograd's partitioner (pytorch issue 174124). Helpers here take values.
+`tests/_sm90_compile.py` checks what every kernel is seen to write.
 """
 
 from __future__ import annotations
@@ -17,12 +24,13 @@ import triton.language as tl
 
 __all__ = [
     "chunk_offsets",
+    "chunk_spans",
     "dot_precision",
+    "fixed_chunk",
+    "fixed_sequence",
     "head_dims_verified",
-    "locate_chunk",
+    "uncovered_inputs",
     "num_chunks_bound",
-    "sequence_span",
-    "sequence_chunks",
     "sm_count",
     "state_tile",
 ]
@@ -36,6 +44,21 @@ def chunk_offsets(cu_seqlens: torch.Tensor, chunk_size: int) -> torch.Tensor:
     """
     counts = (cu_seqlens[1:] - cu_seqlens[:-1] + chunk_size - 1) // chunk_size
     return torch.cat((counts.new_zeros(1), counts.cumsum(0))).to(torch.int32)
+
+
+def chunk_spans(cu_seqlens: torch.Tensor, offsets: torch.Tensor, bound: int,
+                chunk_size: int) -> torch.Tensor:
+    """``[bound, 2]`` int32: first token and sequence end of each flat chunk, device ops only.
+
+    Chunk ``i`` belongs to the last sequence ``n`` with ``offsets[n] <= i`` (empty
+    sequences own no chunk). A surplus chunk (``i >= offsets[-1]``) gets a first
+    token at or past its end: its program returns.
+    """
+    ids = torch.arange(bound, device=offsets.device, dtype=offsets.dtype)
+    seq = (torch.searchsorted(offsets, ids, right=True) - 1).clamp_max(offsets.shape[0] - 2)
+    cu = cu_seqlens.to(offsets.dtype)
+    t0 = cu[seq] + (ids - offsets[seq]) * chunk_size
+    return torch.stack((t0, cu[seq + 1]), 1).to(torch.int32)
 
 
 def num_chunks_bound(batch: int, length: int, num_seqs: int, chunk_size: int, varlen: bool):
@@ -65,6 +88,16 @@ def head_dims_verified(dtype: torch.dtype, *dims: int) -> bool:
     return all(d in allowed for d in dims)
 
 
+def uncovered_inputs(kernels: str, supports: str, chunk_size: int, q, v) -> ValueError:
+    """The launchers' error for inputs their ``supports`` check refuses (``kernels`` names
+    the family in the message): an uncovered input must not reach a kernel."""
+    return ValueError(
+        f"the {kernels} kernels do not cover chunk_size={chunk_size}, q/v dtypes "
+        f"{q.dtype}/{v.dtype}, K={q.shape[-1]}, V={v.shape[-1]} (chunk_size 64; K, V in "
+        f"64/128 for half inputs, 16-128 for float32; see {supports}): use the reference"
+    )
+
+
 def dot_precision(dtype: torch.dtype) -> str:
     """``tl.dot`` input precision: exact fp32 for fp32 inputs (no tf32), else tf32."""
     return "ieee" if dtype == torch.float32 else "tf32"
@@ -83,53 +116,20 @@ def sm_count(device: torch.device) -> int:
 
 
 @triton.jit
-def sequence_span(i_n, cu_seqlens, T, IS_VARLEN: tl.constexpr):
-    """Token range ``[bos, eos)`` (int64) of sequence ``i_n`` in the flat token axis."""
-    if IS_VARLEN:
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-    else:
-        bos = i_n.to(tl.int64) * T
-        eos = bos + T
-    return bos, eos
+def fixed_sequence(i_n, T, BT: tl.constexpr):
+    """``(bos, eos, c0)`` (int64) of sequence ``i_n`` of a fixed-length batch: its token
+    range and its first flat chunk."""
+    bos = i_n.to(tl.int64) * T
+    return bos, bos + T, i_n.to(tl.int64) * tl.cdiv(T, BT)
 
 
 @triton.jit
-def sequence_chunks(i_n, cu_seqlens, offsets, T, BT: tl.constexpr, IS_VARLEN: tl.constexpr):
-    """``(bos, eos, c0)`` of sequence ``i_n``: its tokens and its first flat chunk index."""
-    bos, eos = sequence_span(i_n, cu_seqlens, T, IS_VARLEN)
-    if IS_VARLEN:
-        c0 = tl.load(offsets + i_n).to(tl.int64)
-    else:
-        c0 = i_n.to(tl.int64) * tl.cdiv(T, BT)
-    return bos, eos, c0
-
-
-@triton.jit
-def locate_chunk(i_c, cu_seqlens, offsets, T, N, BT: tl.constexpr, IS_VARLEN: tl.constexpr):
-    """Sequence ``i_n``, in-sequence chunk ``i_t`` and ``[bos, eos)`` of flat chunk ``i_c``.
-
-    Fixed length: ``N`` sequences of ``T`` tokens. Packed: binary search for the
-    last ``n`` with ``offsets[n] <= i_c`` (``offsets`` from :func:`chunk_offsets`).
-    A surplus program gets ``bos + i_t * BT >= eos`` and should return.
-    """
-    if IS_VARLEN:
-        lo = i_c * 0
-        hi = lo + N - 1
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            ok = tl.load(offsets + mid) <= i_c
-            lo = tl.where(ok, mid, lo)
-            hi = tl.where(ok, hi, mid - 1)
-        i_n = lo
-        i_t = i_c - tl.load(offsets + i_n)
-    else:
-        nt = tl.cdiv(T, BT)
-        i_n = i_c // nt
-        i_t = i_c % nt
-    bos, eos = sequence_span(i_n, cu_seqlens, T, IS_VARLEN)
-    return i_n, i_t, bos, eos
-
+def fixed_chunk(i_c, T, BT: tl.constexpr):
+    """``(t0, eos)`` (int64) of flat chunk ``i_c`` of a fixed-length batch: its first
+    token and its sequence's end."""
+    nt = tl.cdiv(T, BT)
+    bos = (i_c // nt).to(tl.int64) * T
+    return bos + (i_c % nt).to(tl.int64) * BT, bos + T
 
 
 @triton.jit

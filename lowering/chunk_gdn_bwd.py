@@ -26,12 +26,13 @@ import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
-from ._launch import dot_precision, locate_chunk, sequence_chunks, state_tile
+from ._launch import dot_precision, fixed_chunk, fixed_sequence, state_tile
 from .chunk_gdn_fwd import (
     CHUNK, _scale, gdn_layout, gdn_prepare, gdn_recompute_states, recurrence_config,
+    require_gdn_kernels,
 )
 
-__all__ = ["chunk_gdn_bwd"]
+__all__ = ["chunk_gdn_bwd", "grad_config"]
 
 
 @triton.jit
@@ -51,7 +52,12 @@ def _chunk_gdn_bwd_state_kernel(
     i_nh, i_v = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     i_hk = i_h // (H // HK)
-    bos, eos, c0 = sequence_chunks(i_n, cu_seqlens, offsets, T, BT, IS_VARLEN)
+    if IS_VARLEN:  # index loads in the kernel body: see _launch.py
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+        c0 = tl.load(offsets + i_n).to(tl.int64)
+    else:
+        bos, eos, c0 = fixed_sequence(i_n, T, BT)
     dt = k.dtype.element_ty
     b_dh = tl.zeros([K, BV], dtype=tl.float32)
     if HAS_DHT:
@@ -123,8 +129,7 @@ def _delta_tile(b_k, b_ai, b_eg, b_el, b_beta, p_s, p_ds, v, do, dv, rows, m_r, 
 
 @triton.jit
 def _chunk_gdn_bwd_grad_kernel(
-    q, k, v, gc, beta, ai, aqk, hs, dhs, do, dv, dq, dk, dg0, dg1, dbeta, cu_seqlens, offsets,
-    scale, T, N,
+    q, k, v, gc, beta, ai, aqk, hs, dhs, do, dv, dq, dk, dg0, dg1, dbeta, spans, scale, T,
     H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
@@ -132,8 +137,11 @@ def _chunk_gdn_bwd_grad_kernel(
     (``dg0``), role 1 ``dk``, ``dbeta`` and the rest (``dg1``); both redo ``delta``."""
     scale = tl.cast(scale, tl.float32)  # Inductor passes Python floats as fp64
     i_c, i_h, i_r = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_n, i_t, bos, eos = locate_chunk(i_c, cu_seqlens, offsets, T, N, BT, IS_VARLEN)
-    t0 = bos + i_t * BT
+    if IS_VARLEN:  # index loads in the kernel body: see _launch.py
+        t0 = tl.load(spans + 2 * i_c).to(tl.int64)
+        eos = tl.load(spans + 2 * i_c + 1).to(tl.int64)
+    else:
+        t0, eos = fixed_chunk(i_c, T, BT)
     if t0 >= eos:
         return
     i_hk = i_h // (H // HK)
@@ -217,6 +225,16 @@ def _chunk_gdn_bwd_grad_kernel(
         tl.store(dk + o_tk, acc_dk.to(dk.dtype.element_ty), mask=m_r)
 
 
+def grad_config(k_dim: int, v_dim: int, dtype: torch.dtype) -> tuple[int, int, int]:
+    """``(BV, num_warps, num_stages)`` of ``_chunk_gdn_bwd_grad_kernel``.
+
+    BV 16, 4 warps: the sm_90 cubin (Triton 3.6, bf16, K = V = 128, pointers marked
+    16-byte aligned as at run time) uses 255 registers and 248 B of stack a thread;
+    BV 32 472 B, BV 64 880 B, 8 warps 296-936 B (docs/benchmarks.md, third session).
+    """
+    return 16, 4, 1
+
+
 def chunk_gdn_bwd(q, k, v, g, beta, initial_state, cu_seqlens, do, dht, *,
                   chunk_size, scale, state_v_first):
     """Gradients of :func:`chunk_gdn_fwd` for ``do`` (like ``o``) and ``dht`` (like the final state).
@@ -225,16 +243,17 @@ def chunk_gdn_bwd(q, k, v, g, beta, initial_state, cu_seqlens, do, dht, *,
     recomputed); ``dht`` may be None (zero). Returns
     ``(dq, dk, dv, dg, dbeta, dh0)`` in the dtypes of
     ``q, k, v, g, beta, initial_state``; ``dh0`` is None without an initial state.
+    Raises ValueError for inputs that
+    :func:`~.chunk_gdn_fwd.gdn_kernel_supports` does not cover.
     """
-    if chunk_size != CHUNK:
-        raise ValueError(f"the Triton GDN kernels need chunk_size {CHUNK}, got {chunk_size}")
+    require_gdn_kernels(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size)
     q, k, v, g, beta, do = (t.contiguous() for t in (q, k, v, g, beta, do))
     if initial_state is not None:
         initial_state = initial_state.contiguous()
     if dht is not None:
         dht = dht.contiguous()
     layout = gdn_layout(q, v, cu_seqlens)
-    batch, length, n, hk, hv, dk_, dv_, bound, offsets = layout
+    batch, length, n, hk, hv, dk_, dv_, bound, offsets, spans = layout
     varlen = cu_seqlens is not None
     prec = dot_precision(k.dtype)
     scale = _scale(scale, q)
@@ -242,7 +261,7 @@ def chunk_gdn_bwd(q, k, v, g, beta, initial_state, cu_seqlens, do, dht, *,
     gc, ai, aqk = gdn_prepare(q, k, g, beta, cu_seqlens, layout)
     hs = gdn_recompute_states(k, v, gc, beta, ai, initial_state, cu_seqlens, layout,
                               state_v_first=state_v_first)
-    tile, stages = recurrence_config(dk_, dv_, k.dtype, n * hv, v.device)
+    tile, stages, warps = recurrence_config(dk_, dv_, k.dtype, n * hv, v.device)
     dhs = torch.empty_like(hs)
     dv = torch.empty_like(v)
     dh0 = None
@@ -253,7 +272,7 @@ def chunk_gdn_bwd(q, k, v, g, beta, initial_state, cu_seqlens, do, dht, *,
         H=hv, HK=hk, K=dk_, V=dv_, BT=CHUNK, BV=tile,
         HAS_DHT=dht is not None, HAS_H0=initial_state is not None,
         STATE_V_FIRST=state_v_first, IS_VARLEN=varlen, DOT_PREC=prec,
-        num_warps=4, num_stages=stages,
+        num_warps=warps, num_stages=stages,
     )
 
     grouped = hv != hk
@@ -262,14 +281,12 @@ def chunk_gdn_bwd(q, k, v, g, beta, initial_state, cu_seqlens, do, dht, *,
     dk = k.new_empty((batch, length, hv, dk_), dtype=grad_dtype)
     dg = torch.empty((2,) + tuple(g.shape), dtype=torch.float32, device=g.device)
     dbeta = torch.empty(beta.shape, dtype=beta.dtype, device=beta.device)
-    # BV 16, 4 warps: the sm_90 cubin (Triton 3.6, bf16, K = V = 128, pointers marked 16-byte
-    # aligned as at run time) uses 255 registers and 248 B of stack a thread; BV 32 472 B,
-    # BV 64 880 B, 8 warps 296-936 B (docs/benchmarks.md, third session).
+    tile, warps, stages = grad_config(dk_, dv_, k.dtype)
     wrap_triton(_chunk_gdn_bwd_grad_kernel)[(bound, hv, 2)](
-        q, k, v, gc, beta, ai, aqk, hs, dhs, do, dv, dq, dk, dg[0], dg[1], dbeta, cu_seqlens,
-        offsets, scale, length, n,
-        H=hv, HK=hk, K=dk_, V=dv_, BT=CHUNK, BV=16,
-        IS_VARLEN=varlen, DOT_PREC=prec, num_warps=4, num_stages=1,
+        q, k, v, gc, beta, ai, aqk, hs, dhs, do, dv, dq, dk, dg[0], dg[1], dbeta, spans, scale,
+        length,
+        H=hv, HK=hk, K=dk_, V=dv_, BT=CHUNK, BV=tile,
+        IS_VARLEN=varlen, DOT_PREC=prec, num_warps=warps, num_stages=stages,
     )
     dg = (dg[0] + dg[1]).to(g.dtype)
     if grouped:

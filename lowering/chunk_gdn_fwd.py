@@ -29,18 +29,20 @@ from torch.library import wrap_triton
 
 from ._launch import (
     chunk_offsets,
+    chunk_spans,
     dot_precision,
+    fixed_chunk,
+    fixed_sequence,
     head_dims_verified,
-    locate_chunk,
     num_chunks_bound,
-    sequence_chunks,
     sm_count,
     state_tile,
+    uncovered_inputs,
 )
 
 __all__ = [
     "chunk_gdn_fwd", "gdn_kernel_supports", "gdn_layout", "gdn_prepare", "gdn_recompute_states",
-    "recurrence_config",
+    "prepare_warps", "recurrence_config", "require_gdn_kernels",
 ]
 
 CHUNK = 64  # tokens per chunk: the kernels are written for 4 blocks of 16
@@ -66,20 +68,29 @@ def gdn_kernel_supports(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size)
     return all(t.dtype in _DTYPES for t in others)
 
 
+def require_gdn_kernels(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size) -> None:
+    """Raise ValueError unless :func:`gdn_kernel_supports` covers these inputs."""
+    if not gdn_kernel_supports(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size):
+        raise uncovered_inputs("Triton GDN", "gdn_kernel_supports", chunk_size, q, v)
+
+
 def gdn_layout(q, v, cu_seqlens):
-    """``(B, T, N, Hk, Hv, K, V, number of chunks bound, chunk offsets or None)``."""
+    """``(B, T, N, Hk, Hv, K, V, number of chunks bound, chunk offsets, chunk spans)``
+    (the last two None at fixed length; see :mod:`._launch`)."""
     batch, length, hk, dk = q.shape
     hv, dv = v.shape[2], v.shape[3]
     varlen = cu_seqlens is not None
     n = cu_seqlens.shape[0] - 1 if varlen else batch
     bound = num_chunks_bound(batch, length, n, CHUNK, varlen)
     offsets = chunk_offsets(cu_seqlens, CHUNK) if varlen else None
-    return batch, length, n, hk, hv, dk, dv, bound, offsets
+    spans = chunk_spans(cu_seqlens, offsets, bound, CHUNK) if varlen else None
+    return batch, length, n, hk, hv, dk, dv, bound, offsets, spans
 
 
 def recurrence_config(k_dim: int, v_dim: int, dtype: torch.dtype, programs_per_tile: int,
-                      device) -> tuple[int, int]:
-    """``(BV, num_stages)`` of the sequential kernels (forward and backward state passes).
+                      device) -> tuple[int, int, int]:
+    """``(BV, num_stages, num_warps)`` of the sequential kernels (forward and backward state
+    passes).
 
     Their grid is sequences x heads x value tiles, so narrow tiles buy
     parallelism when there are few sequences: the largest tile (at most 64, 32
@@ -97,7 +108,12 @@ def recurrence_config(k_dim: int, v_dim: int, dtype: torch.dtype, programs_per_t
     tile = min(v_dim, 64 if k_dim <= 128 else 32, 16 if row_bytes >= 512 else 64)
     while tile > 16 and programs_per_tile * (v_dim // tile) < 2 * sm_count(device):
         tile //= 2
-    return tile, 2 if row_bytes <= 256 else 1
+    return tile, 2 if row_bytes <= 256 else 1, 4
+
+
+def prepare_warps(k_dim: int, dtype: torch.dtype) -> int:
+    """``num_warps`` of the prepare kernel (gates, ``(I + A)^-1``, ``M``)."""
+    return 4
 
 
 # -------------------------------------------------------------------------------------------
@@ -161,13 +177,16 @@ def _dot32(a, b):
 
 @triton.jit
 def _chunk_gdn_prepare_kernel(
-    q, k, g, beta, gc, ai, aqk, scratch, cu_seqlens, offsets, T, N,
+    q, k, g, beta, gc, ai, aqk, scratch, spans, T,
     H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
     IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     i_c, i_h = tl.program_id(0), tl.program_id(1)
-    i_n, i_t, bos, eos = locate_chunk(i_c, cu_seqlens, offsets, T, N, BT, IS_VARLEN)
-    t0 = bos + i_t * BT
+    if IS_VARLEN:  # index loads in the kernel body: see _launch.py
+        t0 = tl.load(spans + 2 * i_c).to(tl.int64)
+        eos = tl.load(spans + 2 * i_c + 1).to(tl.int64)
+    else:
+        t0, eos = fixed_chunk(i_c, T, BT)
     if t0 >= eos:
         return
     i_hk = i_h // (H // HK)
@@ -243,7 +262,12 @@ def _chunk_gdn_fwd_kernel(
     i_nh, i_v = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     i_hk = i_h // (H // HK)
-    bos, eos, c0 = sequence_chunks(i_n, cu_seqlens, offsets, T, BT, IS_VARLEN)
+    if IS_VARLEN:  # index loads in the kernel body: see _launch.py
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+        c0 = tl.load(offsets + i_n).to(tl.int64)
+    else:
+        bos, eos, c0 = fixed_sequence(i_n, T, BT)
     dt = k.dtype.element_ty
     b_h = tl.zeros([K, BV], dtype=tl.float32)
     if HAS_H0:
@@ -295,24 +319,24 @@ def _chunk_gdn_fwd_kernel(
 def gdn_prepare(q, k, g, beta, cu_seqlens, layout):
     """Launch the prepare kernel: ``(G, Ai, M)``; ``G`` float32 ``[B, T, Hv]``, ``Ai`` and
     ``M`` ``[B, T, Hv, 64]`` in ``k``'s dtype (row ``t`` of its chunk's matrix)."""
-    batch, length, n, hk, hv, dk, _, bound, offsets = layout
+    batch, length, n, hk, hv, dk, _, bound, _, spans = layout
     gc = torch.empty(g.shape, dtype=torch.float32, device=g.device)
     ai = k.new_empty((batch, length, hv, CHUNK))
     aqk = k.new_empty((batch, length, hv, CHUNK))
     scratch = torch.empty((batch, length, hv, CHUNK), dtype=torch.float32, device=k.device)
     wrap_triton(_chunk_gdn_prepare_kernel)[(bound, hv)](
-        q, k, g, beta, gc, ai, aqk, scratch, cu_seqlens, offsets, length, n,
+        q, k, g, beta, gc, ai, aqk, scratch, spans, length,
         H=hv, HK=hk, K=dk, BT=CHUNK, BC=_SUB,
         IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(k.dtype),
-        num_warps=4,
+        num_warps=prepare_warps(dk, k.dtype),
     )
     return gc, ai, aqk
 
 
 def _recurrence(q, k, v, gc, beta, ai, aqk, initial_state, cu_seqlens, layout, *,
                 scale, state_v_first, recompute):
-    batch, length, n, hk, hv, dk, dv, bound, offsets = layout
-    tile, stages = recurrence_config(dk, dv, k.dtype, n * hv, v.device)
+    batch, length, n, hk, hv, dk, dv, bound, offsets, _ = layout
+    tile, stages, warps = recurrence_config(dk, dv, k.dtype, n * hv, v.device)
     shape = (n, hv, dv, dk) if state_v_first else (n, hv, dk, dv)
     if recompute:
         o = ht = None
@@ -327,7 +351,7 @@ def _recurrence(q, k, v, gc, beta, ai, aqk, initial_state, cu_seqlens, layout, *
         H=hv, HK=hk, K=dk, V=dv, BT=CHUNK, BV=tile,
         HAS_H0=initial_state is not None, RECOMPUTE=recompute,
         STATE_V_FIRST=state_v_first, IS_VARLEN=cu_seqlens is not None,
-        DOT_PREC=dot_precision(k.dtype), num_warps=4, num_stages=stages,
+        DOT_PREC=dot_precision(k.dtype), num_warps=warps, num_stages=stages,
     )
     return o, ht, hs
 
@@ -350,6 +374,9 @@ def chunk_gdn_fwd(q, k, v, g, beta, initial_state, cu_seqlens, *, chunk_size, sc
         chunk_size: must be 64 (see :func:`gdn_kernel_supports`).
         scale: output scale (None: ``K ** -0.5``).
 
+    Raises:
+        ValueError: inputs that :func:`gdn_kernel_supports` does not cover.
+
     Returns:
         ``(o, final_state)``: ``o`` like ``v``; ``final_state`` float32 in the
         layout of ``initial_state``. Nothing is saved: :func:`chunk_gdn_bwd`
@@ -357,8 +384,7 @@ def chunk_gdn_fwd(q, k, v, g, beta, initial_state, cu_seqlens, *, chunk_size, sc
 
     Math: :func:`kdn_compile.reference.chunk_gdn_reference` (FLA's WY form).
     """
-    if chunk_size != CHUNK:
-        raise ValueError(f"the Triton GDN kernels need chunk_size {CHUNK}, got {chunk_size}")
+    require_gdn_kernels(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size)
     q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
     if initial_state is not None:
         initial_state = initial_state.contiguous()

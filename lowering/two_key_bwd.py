@@ -30,11 +30,11 @@ from kdn_compile.lowering._launch import dot_precision
 from kdn_compile.lowering.two_key_common import (
     BC,
     BT,
-    chunk_position,
     compute_dtype,
     load_block,
     load_row,
     load_rows,
+    require_two_key_kernels,
     sequence_bounds,
     store_rows,
 )
@@ -103,7 +103,10 @@ def _two_key_bwd_pair_kernel(
     i_n = tl.load(chunk_seq + i_c)
     if i_n >= N:
         return
-    t0, eos = chunk_position(chunk_first, cu_seqlens, i_n, i_c, BT)
+    # index loads in the kernel body, not a helper: see _launch.py on mutation analysis
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    t0 = bos + (i_c - tl.load(chunk_first + i_n)).to(tl.int64) * BT
     o_bt = tl.arange(0, BT)
     m_t = (t0 + o_bt) < eos
     b_da = tl.zeros([BT, BT], dtype=tl.float32)
@@ -148,7 +151,10 @@ def _two_key_bwd_intra_kernel(
     i_n = tl.load(chunk_seq + i_c)
     if i_n >= N:
         return
-    t0, eos = chunk_position(chunk_first, cu_seqlens, i_n, i_c, BT)
+    # index loads in the kernel body, not a helper: see _launch.py on mutation analysis
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    t0 = bos + (i_c - tl.load(chunk_first + i_n)).to(tl.int64) * BT
     last = tl.minimum(t0 + BT, eos) - 1
     o_k = i_k * BK + tl.arange(0, BK)
 
@@ -313,9 +319,11 @@ def two_key_bwd(
         ``(dq, dk, dw, dv, dlog_decay, dh0)`` in the dtypes of ``q, k, w, v,
         log_decay``; ``dh0`` is float32 in the state layout (the gradient of a
         zero initial state when ``initial_state`` is None).
+
+    Raises:
+        ValueError: inputs that :func:`two_key_kernel_supports` does not cover.
     """
-    if chunk_size != BT:
-        raise ValueError(f"two_key_bwd supports chunk_size {BT}, got {chunk_size}")
+    require_two_key_kernels(q, v, chunk_size)
     batch, length, hk, key_dim = q.shape
     hv, value_dim = v.shape[2], v.shape[3]
     dt = compute_dtype(q.dtype)

@@ -37,13 +37,19 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import head_dims_verified
+from ._launch import head_dims_verified, uncovered_inputs
 
 BT = 64  # tokens per chunk (the only supported chunk size)
 BC = 16  # sub-block of the intra-chunk algebra (smallest tensor-core tile)
 LOG_DECAY_BOUND = -20.0
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def require_two_key_kernels(q: torch.Tensor, v: torch.Tensor, chunk_size: int) -> None:
+    """Raise ValueError unless :func:`two_key_kernel_supports` covers these inputs."""
+    if not two_key_kernel_supports(q, v, chunk_size=chunk_size):
+        raise uncovered_inputs("two-key Triton", "two_key_kernel_supports", chunk_size, q, v)
 
 
 def two_key_kernel_supports(
@@ -136,12 +142,3 @@ def store_block(ptr, value, t, m_r, i_h, col0, H: tl.constexpr, BT: tl.constexpr
     o_c = tl.arange(0, BC)
     p = ptr + (t.to(tl.int64) * H + i_h) * BT + col0 + (o_c[:, None] * (H * BT) + o_c[None, :])
     tl.store(p, value.to(ptr.dtype.element_ty), mask=m_r[:, None])
-
-
-@triton.jit
-def chunk_position(chunk_first, cu_seqlens, i_n, i_c, BT: tl.constexpr):
-    """``(first token, end token)`` of global chunk ``i_c`` of sequence ``i_n``."""
-    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-    t0 = bos + (i_c - tl.load(chunk_first + i_n)).to(tl.int64) * BT
-    return t0, eos

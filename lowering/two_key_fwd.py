@@ -27,12 +27,12 @@ from kdn_compile.lowering.two_key_common import (
     BC,
     BT,
     chunk_map,
-    chunk_position,
     compute_dtype,
     load_block,
     load_row,
     load_rows,
     num_chunks_bound,
+    require_two_key_kernels,
     sequence_bounds,
     store_block,
     store_rows,
@@ -89,7 +89,10 @@ def _two_key_fwd_intra_kernel(
     i_n = tl.load(chunk_seq + i_c)
     if i_n >= N:
         return
-    t0, eos = chunk_position(chunk_first, cu_seqlens, i_n, i_c, BT)
+    # index loads in the kernel body, not a helper: see _launch.py on mutation analysis
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    t0 = bos + (i_c - tl.load(chunk_first + i_n)).to(tl.int64) * BT
     last = tl.minimum(t0 + BT, eos) - 1
 
     # In-chunk cumulative log decay c and the decayed keys q e^c, k e^c,
@@ -292,7 +295,10 @@ def _two_key_fwd_output_kernel(
     i_n = tl.load(chunk_seq + i_c)
     if i_n >= N:
         return
-    t0, eos = chunk_position(chunk_first, cu_seqlens, i_n, i_c, BT)
+    # index loads in the kernel body, not a helper: see _launch.py on mutation analysis
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    t0 = bos + (i_c - tl.load(chunk_first + i_n)).to(tl.int64) * BT
     o_bt = tl.arange(0, BT)
     m_t = (t0 + o_bt) < eos
     o_v = i_v * BV + tl.arange(0, BV)
@@ -351,10 +357,12 @@ def two_key_fwd(
         ``h`` (one slot per chunk start plus one per sequence end); the innovations
         ``x``; the chunk map.
 
+    Raises:
+        ValueError: inputs that :func:`two_key_kernel_supports` does not cover.
+
     Source of the math: :func:`kdn_compile.reference.two_key_chunk_recurrence`.
     """
-    if chunk_size != BT:
-        raise ValueError(f"two_key_fwd supports chunk_size {BT}, got {chunk_size}")
+    require_two_key_kernels(q, v, chunk_size)
     batch, length, hk, key_dim = q.shape
     hv, value_dim = v.shape[2], v.shape[3]
     dt = compute_dtype(q.dtype)

@@ -7,6 +7,10 @@ the interpreter so that every launch records the storages of its tensor argument
 every load and store checks its active addresses against them; :data:`VIOLATIONS`
 collects ``(kernel, "load" | "store", count, first addresses)`` for each access that
 leaves them. ``conftest.py`` installs it and fails a test that adds a violation.
+
+Limits: an access is checked against the union of all argument storages, so one
+that lands inside another argument's buffer (or past a view's end but inside its
+storage) is not reported; atomics are not checked.
 """
 
 from __future__ import annotations
@@ -43,21 +47,27 @@ def install() -> None:
     def init_args(self, args_dev, kwargs):
         args_hst, kwargs_hst = init(self, args_dev, kwargs)
         _RANGES.clear()
-        for arg in (*args_hst, *kwargs_hst.values()):
-            if hasattr(arg, "untyped_storage"):
+        pending = [*args_hst, *kwargs_hst.values()]
+        while pending:
+            arg = pending.pop()
+            if isinstance(arg, tuple):
+                pending.extend(arg)
+            elif hasattr(arg, "base") and hasattr(arg.base, "untyped_storage"):
+                pending.append(arg.base)  # a tensor descriptor
+            elif hasattr(arg, "untyped_storage"):
                 storage = arg.untyped_storage()
                 _RANGES.append((storage.data_ptr(), storage.data_ptr() + storage.nbytes()))
         _KERNEL[0] = getattr(self.fn, "__name__", "?")
         return args_hst, kwargs_hst
 
-    def masked_load(self, ptrs, mask, other, *args):
+    def masked_load(self, ptrs, mask, other, *args, **kwargs):
         dtype = np.dtype(interp._get_np_dtype(ptrs.get_element_ty()))
         _check("load", ptrs, mask, dtype.itemsize)
-        return load(self, ptrs, mask, other, *args)
+        return load(self, ptrs, mask, other, *args, **kwargs)
 
-    def masked_store(self, ptrs, value, mask, *args):
+    def masked_store(self, ptrs, value, mask, *args, **kwargs):
         _check("store", ptrs, mask, value.data.dtype.itemsize)
-        return store(self, ptrs, value, mask, *args)
+        return store(self, ptrs, value, mask, *args, **kwargs)
 
     interp.GridExecutor._init_args_hst = init_args
     interp.InterpreterBuilder.create_masked_load = masked_load

@@ -7,13 +7,19 @@ JIT functions). The op layer is forced onto the kernel path on CPU tensors and
 it. Each recorded kernel is then compiled by Triton for an H100/H200
 (``GPUTarget("cuda", 90, 32)``, no GPU needed) with Python floats typed ``fp64``
 and ints ``i32``, as Inductor's generated code types them. Prints one line per
-kernel, ``ok`` or the error, and exits non-zero if any failed.
+kernel, ``ok`` or the error, and exits non-zero if any failed, or if torch's
+mutation analysis of ``wrap_triton`` sees any launch (fixed length or packed) write
+an index tensor such as ``cu_seqlens`` (see ``lowering/_launch.py``).
+
+``benchmarks/kernel_resources.py`` reuses :func:`record_launches` and
+:func:`compile_sm90` (``aligned=True``) for its resource report.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import types
 
 os.environ.pop("TRITON_INTERPRET", None)
 
@@ -27,10 +33,8 @@ import kdn_compile  # noqa: E402
 from _helpers import launch_recorder, launcher_modules  # noqa: E402
 from kdn_compile.ops import gdn, kda, kdn  # noqa: E402
 
-LAUNCHES: list = []
 
-
-def _type(value) -> str:
+def _type(value, float_type: str) -> str:
     if isinstance(value, torch.Tensor):
         return "*" + {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
                       torch.int32: "i32", torch.int64: "i64"}[value.dtype]
@@ -39,37 +43,47 @@ def _type(value) -> str:
     if isinstance(value, int):
         return "i32"
     if isinstance(value, float):
-        return "fp64"  # what Inductor's generated launcher declares for a Python float
+        return float_type
     raise TypeError(f"unexpected kernel argument {value!r}")
 
 
-def compile_sm90(kernel, args, kwargs):
+def compile_sm90(kernel, args, kwargs, aligned: bool = False, float_type: str = "fp64"):
+    """Compile one recorded launch for sm_90.
+
+    ``aligned`` marks tensor pointers and ints divisible by 16 as such
+    (``tt.divisibility``), as Triton specializes them at run time. Python floats are
+    typed ``float_type``: ``fp64`` is what Inductor's generated launcher declares,
+    ``fp32`` what an eager launch passes.
+    """
     names = kernel.arg_names
     bound = dict(zip(names, args), **kwargs)
-    signature, constexprs = {}, {}
+    signature, constexprs, attrs = {}, {}, {}
     for i, name in enumerate(names):
         value = bound[name]
         if kernel.params[i].is_constexpr or value is None:
             signature[name], constexprs[name] = "constexpr", value
-        else:
-            signature[name] = _type(value)
+            continue
+        signature[name] = _type(value, float_type)
+        aligned_value = isinstance(value, torch.Tensor) or (
+            signature[name] == "i32" and value % 16 == 0)
+        if aligned and aligned_value:
+            attrs[(i,)] = [["tt.divisibility", 16]]
     options = {k: v for k, v in kwargs.items() if k in ("num_warps", "num_stages")}
-    src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
+    src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
-def _run_ops():
+def _run_ops(B, T, H, K, dtypes):
     gen = torch.Generator().manual_seed(0)
     r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
-    B, T, H, K = 1, 70, 2, 64
-    for dtype in (torch.bfloat16, torch.float32):
+    for dtype in dtypes:
         q, k = (F.normalize(r(B, T, H, K), dim=-1).to(dtype).requires_grad_() for _ in "qk")
         v = r(B, T, H, K).to(dtype).requires_grad_()
         beta = torch.rand(B, T, H, generator=gen).to(dtype).requires_grad_()
         h0 = r(B, H, K, K).requires_grad_()
         for g in (-torch.rand(B, T, H, generator=gen), -torch.rand(B, T, H, K, generator=gen)):
             fn = kdn_compile.chunk_gdn if g.dim() == 3 else kdn_compile.chunk_kda
-            for cu in (None, torch.tensor([0, 30, 70])):
+            for cu in (None, torch.tensor([0, T * 3 // 7, T])):
                 b = 1 if cu is not None else B
                 o, s = fn(q[:b], k[:b], v[:b], g[:b].to(dtype).requires_grad_(), beta[:b],
                           initial_state=h0[:b] if cu is None else h0[:1].expand(2, -1, -1, -1),
@@ -86,19 +100,69 @@ def _run_ops():
         torch.autograd.grad(out[0].sum(), [x["q"], x["k"]])
 
 
-def main() -> int:
+def record_launches(B=1, T=70, H=2, K=64, dtypes=(torch.bfloat16, torch.float32), sms=None,
+                    every=False):
+    """``{kernel name: (kernel, grid, args, kwargs)}``: the first launch of every kernel
+    by GDN, KDA and Diag-KDN (fixed length, then packed; forward and backward) on CPU
+    tensors of ``B x T x H x K`` (``K = V``), with tiles chosen as for ``sms``
+    multiprocessors when given; with ``every``, the list of all launches. Patches the
+    launcher modules for good (a script's job)."""
+    launches: list = []
     for module in launcher_modules():
-        module.wrap_triton = launch_recorder(LAUNCHES)
+        module.wrap_triton = launch_recorder(launches)
+        if sms is not None and hasattr(module, "sm_count"):
+            module.sm_count = lambda device: sms
     for module in (gdn, kda, kdn):
         module.can_launch = lambda x: True
     # The kernels are real JIT functions by now; the gain's support check reads this
     # variable at call time to allow CPU tensors.
     os.environ["TRITON_INTERPRET"] = "1"
-    with kdn_compile.use_backend("triton"):
-        _run_ops()
-    first = {}  # one launch per kernel
-    for kernel, _, args, kwargs in LAUNCHES:
+    try:
+        with kdn_compile.use_backend("triton"):
+            _run_ops(B, T, H, K, dtypes)
+    finally:
+        os.environ.pop("TRITON_INTERPRET", None)
+    if every:
+        return launches
+    first = {}
+    for kernel, grid, args, kwargs in launches:
+        first.setdefault(kernel.fn.__name__, (kernel, grid, args, kwargs))
+    return first
+
+
+_INDEX_TENSORS = {"cu_seqlens", "offsets", "spans", "chunk_seq", "chunk_first", "chunk_offsets"}
+
+
+def written_indices(kernel, args, kwargs) -> set[str]:
+    """Index tensors that torch's mutation analysis of ``wrap_triton`` sees ``kernel``
+    write (it analyses the TTIR for sm_90; it must not fall back to "all written")."""
+    import torch._higher_order_ops.triton_kernel_wrap as wrap
+
+    bound = dict(zip(kernel.arg_names, args), **kwargs)
+    bound = {k: v for k, v in bound.items() if k not in ("num_warps", "num_stages")}
+    writes = {dep.name for dep in wrap.identify_accessed_tensors(kernel, bound, {})
+              .read_writes.writes}
+    if writes >= {k for k, v in bound.items() if isinstance(v, torch.Tensor)}:
+        raise RuntimeError("mutation analysis failed: every tensor counted as written")
+    return writes & _INDEX_TENSORS
+
+
+def main() -> int:
+    launches = record_launches(every=True)
+    first = {}
+    for kernel, _, args, kwargs in launches:
         first.setdefault(kernel.fn.__name__, (kernel, args, kwargs))
+    # torch's analysis asks the active driver for the target: give it sm_90 without a GPU
+    triton.runtime.driver.set_active(types.SimpleNamespace(
+        get_current_target=lambda: GPUTarget("cuda", 90, 32)))
+    seen = set()
+    for kernel, _, args, kwargs in launches:
+        written = written_indices(kernel, args, kwargs)
+        if written:
+            seen.add(f"{kernel.fn.__name__} {sorted(written)}")
+    for line in sorted(seen):
+        print(f"WRITES INDEX {line}")
+    print(f"{len(seen)} kernels write index tensors")
     failed = 0
     for name, (kernel, args, kwargs) in sorted(first.items()):
         try:
@@ -108,7 +172,7 @@ def main() -> int:
             failed += 1
             print(f"FAIL {name}: {type(e).__name__}: {str(e)[-2000:]}")
     print(f"{len(first)} kernels, {failed} failed")
-    return 1 if failed or not first else 0
+    return 1 if failed or seen or not first else 0
 
 
 if __name__ == "__main__":

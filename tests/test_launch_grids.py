@@ -76,3 +76,38 @@ def test_diag_kdn_many_short_sequences(grids):
                                    cu_seqlens=torch.arange(N + 1))
         torch.autograd.grad(out[0].sum(), [x["q"], x["k"], x["v"]])
     _check(grids, ["kalman_gain", "two_key"])
+
+
+def test_launchers_refuse_uncovered_head_sizes():
+    """The launchers themselves refuse what the supports checks refuse (fp16 K=32, V=16
+    faulted on the H200): a direct call raises a named ValueError, no kernel starts."""
+    from kdn_compile.lowering.chunk_gdn_bwd import chunk_gdn_bwd
+    from kdn_compile.lowering.chunk_gdn_fwd import chunk_gdn_fwd
+    from kdn_compile.lowering.two_key_bwd import two_key_bwd
+    from kdn_compile.lowering.two_key_fwd import two_key_fwd
+
+    h = torch.float16
+    q, k = torch.zeros(1, 8, 1, 32, dtype=h), torch.zeros(1, 8, 1, 32, dtype=h)
+    v, g, beta = torch.zeros(1, 8, 1, 16, dtype=h), torch.zeros(1, 8, 1), torch.zeros(1, 8, 1)
+    kw = dict(chunk_size=64, scale=1.0, state_v_first=False)
+    with pytest.raises(ValueError, match=r"GDN kernels do not cover .*K=32, V=16"):
+        chunk_gdn_fwd(q, k, v, g, beta, None, None, **kw)
+    with pytest.raises(ValueError, match=r"GDN kernels do not cover .*K=32, V=16"):
+        chunk_gdn_bwd(q, k, v, g, beta, None, None, v, None, **kw)
+    gk = torch.zeros(1, 8, 1, 32)
+    with pytest.raises(ValueError, match=r"two-key Triton kernels do not cover .*K=32, V=16"):
+        two_key_fwd(q, k, k, v, gk, None, None, **kw)
+    with pytest.raises(ValueError, match=r"two-key Triton kernels do not cover .*K=32, V=16"):
+        two_key_bwd(q, k, k, v, gk, None, None, *([None] * 10), v, None, **kw)
+
+
+def test_chunk_spans_skip_empty_sequences_and_end_surplus_chunks():
+    from kdn_compile.lowering._launch import chunk_offsets, chunk_spans, num_chunks_bound
+
+    cu = torch.tensor([0, 0, 70, 70, 71, 200])  # empty, 2 chunks, empty, 1, 3 chunks
+    offsets = chunk_offsets(cu, 64)
+    bound = num_chunks_bound(1, 200, 5, 64, True)
+    spans = chunk_spans(cu, offsets, bound, 64).tolist()
+    real = [[0, 70], [64, 70], [70, 71], [71, 200], [135, 200], [199, 200]]
+    assert spans[:6] == real
+    assert bound > 6 and all(t0 >= end for t0, end in spans[6:]), spans
