@@ -8,7 +8,7 @@ state and the final state returned:
 * forward + backward of a random output gradient: ours adds :func:`two_key_bwd`
   and the ``beta`` chain rule (``dbeta = sum(dw k)``, ``dk += beta dw``); FLA
   through autograd; "op" is ``kdn_compile.chunk_kda`` through autograd (its
-  backward recomputes the forward's saved tensors);
+  backward reuses the tensors that its forward saved);
 * Diag-KDN: ``kdn_compile.diag_kdn`` (Kalman gains, then the same two-key
   memory kernels) forward and forward + backward through autograd, on the same
   ``q, k, v`` with ``log_alpha = g``, random ``omega``, ``r``, memory and
@@ -121,7 +121,7 @@ def main() -> None:
         o, final, *_ = ours_fwd(q, k, v, g, beta, h0, scale)
         row["ours_fwd"] = bench(lambda: ours_fwd(q, k, v, g, beta, h0, scale))
         row["ours_fwd_bwd"] = bench(lambda: ours_fwd_bwd(q, k, v, g, beta, h0, scale, do))
-        # Through the op and autograd (its backward recomputes the forward).
+        # Through the op and autograd (its backward reuses the forward's saved tensors).
         op_leaves = [t.detach().clone().requires_grad_() for t in (q, k, v, g, beta, h0)]
 
         def op_fwd_bwd():

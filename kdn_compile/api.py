@@ -198,10 +198,12 @@ def chunk_kda(
     check_flag("state_v_first", state_v_first)
     cu_seqlens = _contiguous(cu_seqlens)
     op = _ops.chunk_kda if prefer_kernels(q.device.type) else _ops.chunk_kda_reference
-    return op(
+    # kdn::chunk_kda appends the tensors its backward reuses: not for the caller.
+    o, final_state, *_ = op(
         q, k, v, g, beta, initial_state, cu_seqlens, int(chunk_size), _scale(scale, q),
         state_v_first,
     )
+    return o, final_state
 
 
 def recurrent_delta_rule(

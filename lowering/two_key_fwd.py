@@ -379,7 +379,10 @@ def two_key_fwd(
     rmat = q.new_empty((tokens, hv, BT), dtype=dt)
     wk = q.new_empty((tokens, hv, key_dim), dtype=dt)
     u = q.new_empty((tokens, hv, value_dim), dtype=dt)
-    h = q.new_empty((num_chunks + num_seqs, hv, key_dim, value_dim), dtype=dt)
+    # Packed sequences: num_chunks is an upper bound and its surplus slots are never
+    # written; zeros keep the saved tensors deterministic (kdn::chunk_kda returns them).
+    alloc = q.new_zeros if cu_seqlens is not None else q.new_empty
+    h = alloc((num_chunks + num_seqs, hv, key_dim, value_dim), dtype=dt)
     x = q.new_empty((tokens, hv, value_dim), dtype=dt)
     o = v.new_empty(v.shape)
     state_shape = (num_seqs, hv, value_dim, key_dim) if state_v_first else (

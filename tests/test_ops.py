@@ -211,6 +211,17 @@ def test_compile_chunk_kda_recurrent_diag_kdn():
     _compile_over_lengths(fn, make)
 
 
+def test_compile_chunk_kda_kernel_op_fullgraph_dynamic():
+    """``kdn::chunk_kda`` itself (backend "triton"), whose outputs end with the kernels'
+    saved tensors: eager and traced alike take its reference branch on the CPU here
+    (float64; tracing), with placeholders for the saved tensors."""
+    with kdn_compile.use_backend("triton"):
+        _compile_over_lengths(
+            lambda **x: kdn_compile.chunk_kda(**x, chunk_size=16),
+            lambda T: delta_inputs(T=T, K=4, V=4, per_key=True, seed=T),
+        )
+
+
 def test_backend_switch_guards_and_validates():
     from torch._dynamo.utils import counters
 

@@ -237,16 +237,23 @@ def test_cuda_matches_reference(case, poisoned):
 
 # ---------------------------------------------------------------- op layer (kdn::chunk_kda)
 
-def test_chunk_kda_op_kernel_path_matches_reference():
+def test_chunk_kda_op_kernel_path_matches_reference(monkeypatch):
     """``kdn_compile.chunk_kda`` on the kernel path (eager; interpreter on CPU), fwd + grads.
 
     Grouped heads, initial state, ``beta`` chained through ``w = beta k``; against the
-    float64 reference under autograd.
+    float64 reference under autograd. One forward and one backward launch: the
+    backward reads the forward's saved tensors instead of running it again.
     """
     import kdn_compile
+    from kdn_compile.ops import kda as kda_ops
     from kdn_compile.ops.kda import _kda_kernels
     from kdn_compile.reference import chunk_kda_reference
 
+    launches = []
+    for name in ("two_key_fwd", "two_key_bwd"):
+        real = getattr(kda_ops, name)
+        monkeypatch.setattr(kda_ops, name, lambda *a, _real=real, _name=name, **kw:
+                            launches.append(_name) or _real(*a, **kw))
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     tol = HALF_TOL if device == "cuda" else FP32_TOL
@@ -281,6 +288,55 @@ def test_chunk_kda_op_kernel_path_matches_reference():
     for name, got, want in zip(x, grads, ref_grads):
         assert got.dtype == dev[name].dtype
         assert_close(got, want.to(device), tol, f"d{name}")
+    assert launches == ["two_key_fwd", "two_key_bwd"], launches
+
+
+def _kda_op_args(T=70, cu_seqlens=None, seed=6):
+    """float32 arguments of ``kdn::chunk_kda`` that its kernels cover (chunk 64)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator().manual_seed(seed)
+    B, Hk, Hv, K, V = (1 if cu_seqlens is not None else 2), 1, 2, 16, 16
+    N = B if cu_seqlens is None else len(cu_seqlens) - 1
+    r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    leaf = lambda t: t.to(device).requires_grad_()  # noqa: E731
+    cu = None if cu_seqlens is None else torch.tensor(cu_seqlens, device=device)
+    return (leaf(F.normalize(r(B, T, Hk, K), dim=-1)), leaf(F.normalize(r(B, T, Hk, K), dim=-1)),
+            leaf(r(B, T, Hv, V)), leaf(-torch.rand(B, T, Hv, K, generator=gen)),
+            leaf(torch.rand(B, T, Hv, generator=gen)), leaf(r(N, Hv, K, V)), cu, 64, 0.25, False)
+
+
+@pytest.mark.parametrize("varlen", [False, True], ids=["fixed", "varlen"])
+def test_chunk_kda_op_saved_outputs(varlen):
+    """``kdn::chunk_kda`` on its kernels returns ``(o, final_state)`` and the saved
+    tensors of ``two_key_fwd``, which are not differentiable; the public function
+    returns the first two only. opcheck: on CUDA every test; on the CPU (where a
+    trace takes the reference branch) the schema and the autograd registration."""
+    import kdn_compile
+    from kdn_compile.ops.kda import SAVED
+
+    args = _kda_op_args(cu_seqlens=[0, 5, 70] if varlen else None)
+    outputs = torch.ops.kdn.chunk_kda(*args)
+    assert len(outputs) == 2 + len(SAVED)
+    o, final_state, *saved = outputs
+    assert o.requires_grad and final_state.requires_grad
+    assert not any(t.requires_grad for t in saved)
+    assert saved[-2].dtype == saved[-1].dtype == torch.int32  # chunk_seq, chunk_first
+    q, k, v, g, beta, h0, cu = args[:7]
+    with kdn_compile.use_backend("triton"):
+        public = kdn_compile.chunk_kda(q, k, v, g, beta, initial_state=h0, cu_seqlens=cu,
+                                       chunk_size=64, scale=0.25)
+    assert len(public) == 2
+    assert_close(public[0], o, 0.0, "o")
+    assert_close(public[1], final_state, 0.0, "final_state")
+    # Only the final state's gradient: the output's is zeros of its shape.
+    (dv,) = torch.autograd.grad(public[1].sum(), [v])
+    assert torch.isfinite(dv).all()
+    tests = "ALL" if torch.cuda.is_available() else ("test_schema", "test_autograd_registration")
+    torch.library.opcheck(torch.ops.kdn.chunk_kda.default, args, test_utils=tests)
+    bwd_args = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
+    bwd_args += tuple(t.detach() for t in saved) + (torch.randn_like(o), torch.randn_like(final_state))
+    torch.library.opcheck(torch.ops.kdn.chunk_kda_bwd.default, bwd_args,
+                          test_utils="ALL" if torch.cuda.is_available() else "test_schema")
 
 
 @pytest.mark.parametrize("varlen", [False, True], ids=["fixed", "varlen"])

@@ -3,7 +3,9 @@
 Each op family declares two forward ops with one schema:
 
 * ``kdn::<name>``: a :func:`torch.library.triton_op` whose body launches the
-  Triton kernels when it can and otherwise calls the reference op;
+  Triton kernels when it can and otherwise calls the reference op; it may
+  append to the family's outputs tensors that only its backward reads (the
+  kernels' saved tensors; see :meth:`FamilyOps.attach_autograd`);
 * ``kdn::<name>_reference``: an opaque :func:`torch.library.custom_op` that runs
   the exact PyTorch reference. Its fake implementation reads input shapes only,
   so sequence lengths stay symbolic under ``torch.compile(dynamic=True)`` and
@@ -150,41 +152,67 @@ class FamilyOps:
 
     def kernel_or_reference_backward(
         self, use_kernels: Callable[[dict], bool], kernel_bwd_op, arguments: Sequence[str]
-    ) -> Callable[[dict, list], dict]:
+    ) -> Callable[..., dict]:
         """A backward for :meth:`attach_autograd`: ``kernel_bwd_op(*inputs[arguments],
-        *grads)`` where ``use_kernels(inputs)``, else :meth:`reference_backward`.
+        *saved, *grads)`` where ``use_kernels(inputs)``, else :meth:`reference_backward`.
 
-        ``kernel_bwd_op`` returns one gradient per differentiable input, in order.
+        ``saved`` are the forward op's saved outputs (none unless it declares some);
+        ``use_kernels`` must pick the branch that the forward took. ``kernel_bwd_op``
+        returns one gradient per differentiable input, in order.
         """
 
-        def backward(inputs: dict, grads: list) -> dict:
+        def backward(inputs: dict, grads: list, saved: Sequence[torch.Tensor] = ()) -> dict:
             if not use_kernels(inputs):
                 return self.reference_backward(inputs, grads)
-            found = kernel_bwd_op(*(inputs[n] for n in arguments), *grads)
+            found = kernel_bwd_op(*(inputs[n] for n in arguments), *saved, *grads)
             return dict(zip(self.differentiable, found))
 
         return backward
 
     # -- autograd wiring -----------------------------------------------------
-    def attach_autograd(self, op, backward: Callable[[dict, list], dict]) -> None:
-        """Register autograd for ``op``: ``backward(inputs, grads) -> {name: grad}``."""
+    def attach_autograd(self, op, backward: Callable[..., dict], saved: int = 0) -> None:
+        """Register autograd for ``op``: ``backward(inputs, grads) -> {name: grad}``.
+
+        With ``saved > 0``, ``op`` returns the family's outputs followed by ``saved``
+        tensors that only the backward reads (the kernels' saved tensors; a branch
+        without them returns placeholders): they are not differentiable, their
+        gradients are never formed, and the call is ``backward(inputs, grads,
+        saved_tensors)``. A gradient of an unused family output is then zeros of
+        the fake's shape, as autograd would have materialized it.
+        """
         params = self.params
+        num_outputs = self.num_outputs
 
         def setup_context(ctx, inputs, output):
-            del output
             tensors = [x if isinstance(x, torch.Tensor) else None for x in inputs]
-            ctx.save_for_backward(*tensors)
+            extra = tuple(output[num_outputs:]) if saved else ()
+            ctx.save_for_backward(*tensors, *extra)
             ctx.plain = [None if isinstance(x, torch.Tensor) else x for x in inputs]
             ctx.was_tensor = [isinstance(x, torch.Tensor) for x in inputs]
+            if saved:
+                ctx.mark_non_differentiable(*extra)
+                ctx.set_materialize_grads(False)  # no zeros as large as the saved tensors
 
         def backward_fn(ctx, *grads):
-            saved = ctx.saved_tensors
-            values = [s if t else p for s, p, t in zip(saved, ctx.plain, ctx.was_tensor)]
+            stored = ctx.saved_tensors
+            values = [s if t else p for s, p, t in zip(stored, ctx.plain, ctx.was_tensor)]
             inputs = dict(zip(params, values))
-            found = backward(inputs, list(grads))
+            if saved:
+                grads = self._materialize(values, grads[:num_outputs])
+                found = backward(inputs, grads, stored[len(params):])
+            else:
+                found = backward(inputs, list(grads))
             return tuple(
                 found.get(n) if (n in self.differentiable and inputs[n] is not None) else None
                 for n in params
             )
 
         op.register_autograd(backward_fn, setup_context=setup_context)
+
+    def _materialize(self, values, grads) -> list:
+        """``grads`` with zeros (of the fake's shapes) in place of missing ones."""
+        if all(g is not None for g in grads):
+            return list(grads)
+        like = self.fake(*values)
+        like = (like,) if isinstance(like, torch.Tensor) else like
+        return [torch.zeros_like(o) if g is None else g for g, o in zip(grads, like)]

@@ -4,8 +4,13 @@
   two-key Triton kernels of ``lowering/two_key_*.py`` cover the inputs (see
   :func:`_kda_kernels`) the op forms the write key ``w = beta k`` and launches
   them; its gradients then come from ``kdn::chunk_kda_bwd`` (triton_op), which
-  recomputes the forward's saved tensors and runs the backward kernels.
-  Elsewhere both take the reference.
+  runs the backward kernels on the forward's saved tensors. Elsewhere both take
+  the reference.
+
+``kdn::chunk_kda`` returns ``(o, final_state)`` followed by the ten tensors that
+:func:`two_key_fwd` saves for :func:`two_key_bwd` (:data:`SAVED`; empty
+placeholders on the reference branch), kept by its autograd for the backward
+and not differentiable; :func:`kdn_compile.chunk_kda` returns the first two.
 """
 
 from __future__ import annotations
@@ -46,6 +51,9 @@ def _chunk_kda_fake(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size, sca
     state = empty_state(q, cu_seqlens, v.shape[2], k.shape[3], v.shape[3], state_v_first)
     return v.new_empty(v.shape), state
 
+
+# The outputs of two_key_fwd after (o, final_state): what two_key_bwd reads.
+SAVED = ("c", "qd", "kd", "wl", "tmat", "rmat", "h", "x", "chunk_seq", "chunk_first")
 
 CHUNK_KDA = FamilyOps(
     "chunk_kda", _chunk_kda_signature, _chunk_kda_reference, _chunk_kda_fake,
@@ -90,17 +98,22 @@ def chunk_kda_op(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
     initial_state: Optional[Tensor], cu_seqlens: Optional[Tensor],
     chunk_size: int, scale: float, state_v_first: bool,
-) -> tuple[Tensor, Tensor]:
-    """Chunked KDA; launches Triton where it can, else the reference op."""
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
+           Tensor, Tensor]:
+    """Chunked KDA; launches Triton where it can, else the reference op.
+
+    Returns ``(o, final_state, *saved)``: the kernels' :data:`SAVED` tensors, or
+    empty placeholders after the reference.
+    """
     if _kda_kernels(q, v, chunk_size):
-        o, final_state, *_ = two_key_fwd(
+        return two_key_fwd(
             q, k, _write_key(k, beta), v, _kernel_gate(g), initial_state, cu_seqlens,
             chunk_size=chunk_size, scale=scale, state_v_first=state_v_first,
         )
-        return o, final_state
-    return torch.ops.kdn.chunk_kda_reference(
+    o, final_state = torch.ops.kdn.chunk_kda_reference(
         q, k, v, g, beta, initial_state, cu_seqlens, chunk_size, scale, state_v_first
     )
+    return (o, final_state, *(q.new_empty(0) for _ in SAVED))
 
 
 @torch.library.triton_op("kdn::chunk_kda_bwd", mutates_args=())
@@ -108,22 +121,21 @@ def chunk_kda_bwd_op(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
     initial_state: Optional[Tensor], cu_seqlens: Optional[Tensor],
     chunk_size: int, scale: float, state_v_first: bool,
+    c: Tensor, qd: Tensor, kd: Tensor, wl: Tensor, tmat: Tensor, rmat: Tensor, h: Tensor,
+    x: Tensor, chunk_seq: Tensor, chunk_first: Tensor,
     grad_o: Tensor, grad_state: Optional[Tensor],
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Gradients of ``kdn::chunk_kda`` on its kernel path: ``(dq, dk, dv, dg, dbeta, dh0)``.
 
-    Recomputes the forward's saved tensors (nothing is kept between the passes),
-    then chains ``w = beta k``: ``dk += beta dw``, ``dbeta = sum_K dw k``.
-    ``grad_state`` may be None (zero); ``dh0`` is an empty tensor when
-    ``initial_state`` is None.
+    Takes the forward's inputs and its :data:`SAVED` outputs (nothing is
+    recomputed but ``w = beta k`` and the floored gate), then chains ``w = beta k``:
+    ``dk += beta dw``, ``dbeta = sum_K dw k``. ``grad_state`` may be None (zero);
+    ``dh0`` is an empty tensor when ``initial_state`` is None.
     """
     w, gate = _write_key(k, beta), _kernel_gate(g)
-    _, _, *saved = two_key_fwd(
-        q, k, w, v, gate, initial_state, cu_seqlens,
-        chunk_size=chunk_size, scale=scale, state_v_first=state_v_first,
-    )
     dq, dk, dw, dv, dg, dh0 = two_key_bwd(
-        q, k, w, v, gate, initial_state, cu_seqlens, *saved, grad_o, grad_state,
+        q, k, w, v, gate, initial_state, cu_seqlens,
+        c, qd, kd, wl, tmat, rmat, h, x, chunk_seq, chunk_first, grad_o, grad_state,
         chunk_size=chunk_size, scale=scale, state_v_first=state_v_first,
     )
     dg = torch.where(g >= LOG_DECAY_BOUND, dg, 0.0)
@@ -146,4 +158,5 @@ CHUNK_KDA.attach_autograd(
         ("q", "k", "v", "g", "beta", "initial_state", "cu_seqlens", "chunk_size", "scale",
          "state_v_first"),
     ),
+    saved=len(SAVED),
 )
