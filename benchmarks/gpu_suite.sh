@@ -16,6 +16,7 @@
 #   variants of the timed runs (tiles depend on batch and heads, not on T);
 # * the timed benchmarks then run one at a time, alone on the GPU.
 # TESTS=diag runs benchmarks/diagnose_gdn.py (GDN kernel configurations by head size).
+# ISO_K: a pytest -k expression selecting the tests of every test stage.
 # TESTS_SHARE: percent of the time for the tests and compile warm-ups (35); GDN_ARGS,
 # KDA_ARGS: arguments of bench_gdn.py, bench_kda.py (e.g. "--profile --shapes 8x4096x16").
 # EXTRA=<dir>: another checkout inside this one (a branch); its GDN kernel tests (unless
@@ -59,7 +60,8 @@ isolated() {  # name, limit, test file: each test in its own process, $ISO_JOBS 
     export ISO_PLUGIN=${4--p sync_launches}  # capture tests: none (no syncs while capturing)
     [ "$limit" -gt "$(left)" ] && limit=$(left)
     mkdir -p "$logs/$name"
-    python -m pytest -q -p no:cacheprovider --collect-only "$file" > "$logs/$name/collect.log" 2>&1
+    python -m pytest -q -p no:cacheprovider --collect-only ${ISO_K:+-k "$ISO_K"} "$file" \
+        > "$logs/$name/collect.log" 2>&1
     grep "::" "$logs/$name/collect.log" > "$logs/$name/ids"
     if [ ! -s "$logs/$name/ids" ]; then
         note "== $name: no tests collected ($(tail -n 1 "$logs/$name/collect.log"))"
@@ -102,6 +104,8 @@ for b in ${BENCHES:-gdn kda layers}; do
                  --shapes "$small_gdn" & ;;
         kda) stage warm_kda "$tests_limit" env OUT= python benchmarks/bench_kda.py \
                  --shapes 8x128x16,1x128x16 & ;;
+        layers) stage warm_layers "$tests_limit" python benchmarks/bench_layers.py \
+                    --layers "${LAYERS:-gdn,kda,kdn}" --batch 1 --length 256 & ;;
     esac
 done
 if [ -n "${EXTRA:-}" ] && [ "${EXTRA_TESTS:-1}" = 1 ]; then

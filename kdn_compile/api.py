@@ -304,10 +304,12 @@ def diag_kdn(
     )
     scale, info_scale = check_float("scale", scale), check_float("info_scale", info_scale)
     op = _ops.diag_kdn if prefer_kernels(q.device.type) else _ops.diag_kdn_reference
-    return op(
+    # kdn::diag_kdn appends the tensors its backward reuses: not for the caller.
+    output, memory, precision, *_ = op(
         q, k, v, log_alpha, omega, r, memory, precision, _contiguous(cu_seqlens), scale,
         info_scale, int(chunk_size),
     )
+    return output, memory, precision
 
 
 def state_fp8_qdq(state: torch.Tensor, block_v: int = 64) -> torch.Tensor:

@@ -24,6 +24,7 @@ import triton.language as tl
 
 __all__ = [
     "chunk_offsets",
+    "chunk_owners",
     "chunk_spans",
     "dot_precision",
     "fixed_chunk",
@@ -46,16 +47,30 @@ def chunk_offsets(cu_seqlens: torch.Tensor, chunk_size: int) -> torch.Tensor:
     return torch.cat((counts.new_zeros(1), counts.cumsum(0))).to(torch.int32)
 
 
+def chunk_owners(counts: torch.Tensor, bound: int) -> torch.Tensor:
+    """``[bound]`` int32: the sequence owning each flat chunk, ``N`` for surplus ones.
+
+    ``counts [N]`` are the sequences' chunk counts (summing to at most ``bound``).
+    Device ops only, and none whose fake implementation guards on sizes (a
+    ``searchsorted`` here made ``torch.export`` specialize on the length).
+    """
+    n = counts.shape[0]
+    counts = counts.to(torch.int64)
+    repeats = torch.cat((counts, (bound - counts.sum()).reshape(1)))
+    owners = torch.arange(n + 1, device=counts.device, dtype=torch.int32)
+    return torch.repeat_interleave(owners, repeats, output_size=bound)
+
+
 def chunk_spans(cu_seqlens: torch.Tensor, offsets: torch.Tensor, bound: int,
                 chunk_size: int) -> torch.Tensor:
     """``[bound, 2]`` int32: first token and sequence end of each flat chunk, device ops only.
 
-    Chunk ``i`` belongs to the last sequence ``n`` with ``offsets[n] <= i`` (empty
-    sequences own no chunk). A surplus chunk (``i >= offsets[-1]``) gets a first
-    token at or past its end: its program returns.
+    Chunks belong to sequences in order (empty sequences own none); a surplus
+    chunk (past ``offsets[-1]``) gets a first token at or past the last sequence's
+    end: its program returns.
     """
+    seq = chunk_owners(offsets[1:] - offsets[:-1], bound).clamp_max(offsets.shape[0] - 2)
     ids = torch.arange(bound, device=offsets.device, dtype=offsets.dtype)
-    seq = (torch.searchsorted(offsets, ids, right=True) - 1).clamp_max(offsets.shape[0] - 2)
     cu = cu_seqlens.to(offsets.dtype)
     t0 = cu[seq] + (ids - offsets[seq]) * chunk_size
     return torch.stack((t0, cu[seq + 1]), 1).to(torch.int32)

@@ -329,7 +329,7 @@ def two_key_bwd(
     dt = compute_dtype(q.dtype)
     prec = dot_precision(q.dtype)
     num_seqs = chunk_first.shape[0] - 1
-    num_chunks = chunk_seq.shape[0]
+    num_chunks = chunk_seq.shape[0] - 1  # its spare last entry: see chunk_map
     bounds, _ = sequence_bounds(batch, length, cu_seqlens, q.device)
     tokens = batch * length
     qf, kf, wf, dof = (t.reshape(tokens, t.shape[-2], t.shape[-1]).contiguous() for t in (q, k, w, do))

@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import head_dims_verified, uncovered_inputs
+from ._launch import chunk_owners, head_dims_verified, uncovered_inputs
 
 BT = 64  # tokens per chunk (the only supported chunk size)
 BC = 16  # sub-block of the intra-chunk algebra (smallest tensor-core tile)
@@ -95,12 +95,16 @@ def num_chunks_bound(batch: int, length: int, num_seqs: int, varlen: bool) -> in
 def chunk_map(
     bounds: torch.Tensor, num_chunks: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(chunk_seq [num_chunks], chunk_first [N + 1])`` int32, built on the device."""
+    """``(chunk_seq [num_chunks + 1], chunk_first [N + 1])`` int32, built on the device.
+
+    ``chunk_seq[i]`` is the sequence of chunk ``i`` (``N`` past the real chunks).
+    Its spare last entry keeps its size above 1 for every length: ``kdn::chunk_kda``
+    returns it, and a tensor that may hold a single element makes ``torch.export``
+    guard on the sequence length (a contiguity check on the op's outputs).
+    """
     counts = (bounds[1:] - bounds[:-1] + (BT - 1)) // BT
     first = torch.cat((counts.new_zeros(1), counts.cumsum(0))).to(torch.int32)
-    ids = torch.arange(num_chunks, device=bounds.device, dtype=torch.int32)
-    seq = torch.searchsorted(first, ids, right=True) - 1
-    return seq.to(torch.int32), first
+    return chunk_owners(counts, num_chunks + 1), first
 
 
 @triton.jit

@@ -86,3 +86,14 @@ def launch_recorder(sink: list):
         return _Launch()
 
     return wrap
+
+
+def count_calls(monkeypatch, module, names) -> list:
+    """Wrap the functions ``names`` of ``module`` so each call appends its name to the
+    returned list (the functions still run)."""
+    calls: list = []
+    for name in names:
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _real=real, _name=name, **kw:
+                            calls.append(_name) or _real(*a, **kw))
+    return calls

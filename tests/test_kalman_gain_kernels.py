@@ -172,13 +172,10 @@ def test_cuda_varlen_k128():
 def test_diag_kdn_op_kernel_path_matches_reference(varlen, monkeypatch):
     """Eager ``kdn::diag_kdn`` (gain kernels + memory math) and all 8 gradients vs float64."""
     import kdn_compile
-    from _helpers import kdn_inputs
+    from _helpers import count_calls, kdn_inputs
     from kdn_compile.ops import kdn as kdn_ops
 
-    launches = []
-    real_fwd = kdn_ops.kalman_gain_fwd
-    monkeypatch.setattr(kdn_ops, "kalman_gain_fwd",
-                        lambda *a, **kw: launches.append(1) or real_fwd(*a, **kw))
+    launches = count_calls(monkeypatch, kdn_ops, ("kalman_gain_fwd", "kalman_gain_bwd"))
     cu_seqlens = torch.tensor([0, 9, 13], device=DEVICE) if varlen else None
     x = kdn_inputs(B=1 if varlen else 2, T=13, H=1, K=16, V=8, N=2, seed=9)
     ours = {n: t.detach().to(DEVICE, torch.float32).requires_grad_() for n, t in x.items()}
@@ -192,7 +189,8 @@ def test_diag_kdn_op_kernel_path_matches_reference(varlen, monkeypatch):
     grads = [torch.randn(o.shape, dtype=torch.float64, device=DEVICE) for o in ref_out]
     torch.autograd.backward(out, [g.float() for g in grads])
     torch.autograd.backward(ref_out, grads)
-    assert len(launches) == 2, "forward and backward should run the gain kernels"
+    # the backward reuses the forward's gains and covariances: one gain scan each way
+    assert launches == ["kalman_gain_fwd", "kalman_gain_bwd"], launches
     for name, a, b in zip(("output", "memory", "precision"), out, ref_out):
         assert a.dtype == torch.float32
         assert_close(a, b, 2e-5, name)
@@ -233,63 +231,18 @@ def test_launchers_trace_symbolically_without_host_reads():
     assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-3000:]
 
 
-_COMPILE_SCRIPT = """
-import sys
-import torch
-import triton
-from triton.backends.compiler import GPUTarget
-from torch._dynamo.backends.common import aot_autograd
-
-class Sm90:  # what torch's Triton mutation analysis asks of the driver
-    def get_current_target(self):
-        return GPUTarget("cuda", 90, 32)
-
-sys.modules["triton.runtime.driver"].driver.set_active(Sm90())
-sys.path.insert(0, "tests")
-import kdn_compile
-from kdn_compile.ops import kdn as kdn_ops
-from _helpers import kdn_inputs
-
-kdn_ops.can_launch = lambda x: True  # trace the kernel branch with CPU fake tensors
-kdn_ops.kalman_gain_kernel_supports = lambda *args: True
-graphs = []
-
-class Captured(Exception):
-    pass
-
-def capture(gm, example_inputs):
-    graphs.append([str(n.target) for n in gm.graph.nodes])
-    def run(*args):
-        raise Captured
-    return run
-
-@torch.compile(fullgraph=True, dynamic=True,
-               backend=aot_autograd(fw_compiler=capture, bw_compiler=capture))
-def f(*args):
-    with kdn_compile.use_backend("triton"):
-        return kdn_compile.diag_kdn(*args, scale=0.5, info_scale=0.8, chunk_size=16)
-
-x = [t.float().requires_grad_() for t in kdn_inputs(B=2, T=40, H=2, K=16, V=8).values()]
-try:
-    f(*x)
-except Captured:
-    pass
-counts = [sum("triton_kernel_wrapper" in t for t in g) for g in graphs]
-assert counts == [3, 6], counts
-print("ok")
-"""
-
-
 def test_diag_kdn_kernel_path_compiles_fullgraph():
-    """torch.compile(fullgraph, dynamic) traces 3 gain kernels forward and 6 backward.
+    """torch.compile(fullgraph, dynamic) traces 3 gain kernels forward and 3 backward (the
+    backward reuses the forward's gains and covariances, outputs of ``kdn::diag_kdn``).
 
     Traced on the CPU with the kernel branch forced and an sm_90 target given to
-    torch's Triton mutation analysis (as on an H200); the captured graphs are not run.
+    torch's Triton mutation analysis (``tests/_trace_kernel_path.py``); not run.
     """
     import subprocess
     import sys
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], env=env, capture_output=True,
-                          text=True, timeout=300, cwd=os.path.dirname(os.path.dirname(__file__)))
-    assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-3000:]
+    done = subprocess.run([sys.executable, "tests/_trace_kernel_path.py", "gain"], env=env,
+                          capture_output=True, text=True, timeout=300,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert done.returncode == 0 and "counts [3, 3]" in done.stdout, done.stderr[-3000:]

@@ -30,7 +30,7 @@ from kdn_compile.lowering.two_key_common import (  # noqa: E402
 from kdn_compile.lowering.two_key_fwd import two_key_fwd  # noqa: E402
 from kdn_compile.reference import LOG_MEMORY_ALPHA_FLOOR, two_key_chunk_recurrence  # noqa: E402
 
-from _helpers import assert_close  # noqa: E402
+from _helpers import assert_close, count_calls  # noqa: E402
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 GRADS = ("q", "k", "w", "v", "log_decay", "initial_state")
@@ -249,11 +249,7 @@ def test_chunk_kda_op_kernel_path_matches_reference(monkeypatch):
     from kdn_compile.ops.kda import _kda_kernels
     from kdn_compile.reference import chunk_kda_reference
 
-    launches = []
-    for name in ("two_key_fwd", "two_key_bwd"):
-        real = getattr(kda_ops, name)
-        monkeypatch.setattr(kda_ops, name, lambda *a, _real=real, _name=name, **kw:
-                            launches.append(_name) or _real(*a, **kw))
+    launches = count_calls(monkeypatch, kda_ops, ("two_key_fwd", "two_key_bwd"))
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     tol = HALF_TOL if device == "cuda" else FP32_TOL
@@ -348,10 +344,7 @@ def test_diag_kdn_op_memory_kernels_match_reference(varlen, monkeypatch):
     from _helpers import kdn_inputs
     from kdn_compile.ops import kdn as kdn_ops
 
-    launches = []
-    real_fwd = kdn_ops.two_key_fwd
-    monkeypatch.setattr(kdn_ops, "two_key_fwd",
-                        lambda *a, **kw: launches.append(1) or real_fwd(*a, **kw))
+    launches = count_calls(monkeypatch, kdn_ops, ("two_key_fwd", "two_key_bwd"))
     device = "cuda" if torch.cuda.is_available() else "cpu"
     cu_seqlens = torch.tensor([0, 5, 70], device=device) if varlen else None
     x = kdn_inputs(B=1 if varlen else 2, T=70, H=1, K=16, V=16, N=2, seed=4)
@@ -369,7 +362,8 @@ def test_diag_kdn_op_memory_kernels_match_reference(varlen, monkeypatch):
              for o in ref_out]
     torch.autograd.backward(out, [g.float() for g in grads])
     torch.autograd.backward(ref_out, grads)
-    assert len(launches) == 2, "forward and backward should run the two-key kernels"
+    # the backward reads the forward's saved tensors: one launch of each
+    assert launches == ["two_key_fwd", "two_key_bwd"], launches
     for name, a, b in zip(("output", "memory", "precision"), out, ref_out):
         assert_close(a, b, FP32_TOL, name)
     for name in x:
@@ -401,3 +395,23 @@ def test_chunk_kda_op_floors_gates_below_the_kernel_bound():
     assert_close(o, o_ref.to(device), FP32_TOL, "o with deep gates")
     assert_close(s, s_ref.to(device), FP32_TOL, "state with deep gates")
     assert (dg[dev["g"] < LOG_DECAY_BOUND] == 0).all()
+
+
+@pytest.mark.parametrize("which,expected", [("kda", "counts [3, 3]"), ("kdn", "counts [6, 6]"),
+                                            ("export", "exported kdn ['kdn.diag_kdn.default']")])
+def test_kernel_path_traces_as_on_the_gpu(which, expected):
+    """The kernel branch traced on the CPU (tests/_trace_kernel_path.py): the ops with
+    their saved outputs through AOTAutograd's min-cut partitioner (a backward kernel
+    once seen writing the saved ``chunk_first`` failed there: "Node getitem_29 was
+    invalid, but is output"), and the layers through torch.export with a dynamic length
+    (a one-element saved tensor once made it guard on the length)."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, "tests/_trace_kernel_path.py", which], env=env,
+                          capture_output=True, text=True, timeout=600, cwd=root)
+    assert done.returncode == 0 and expected in done.stdout, done.stdout + done.stderr[-3000:]
+    if which == "export":
+        assert "exported kda ['kdn.chunk_kda.default']" in done.stdout, done.stdout

@@ -3,8 +3,13 @@
 Where they launch, the gain runs on ``lowering/kalman_gain*.py`` and the memory
 (erase ``k``, write the gain, decay ``log_alpha`` floored at
 ``LOG_MEMORY_ALPHA_FLOOR``) on the two-key kernels of ``lowering/two_key_*.py``;
-the memory's gradients then come from ``kdn::diag_kdn_memory_bwd`` (triton_op,
-recomputing the forward's saved tensors).
+the memory's gradients then come from ``kdn::diag_kdn_memory_bwd`` (triton_op).
+
+``kdn::diag_kdn`` returns ``(output, memory, precision)`` followed by the tensors
+its backward reads (:data:`SAVED`: the gains, the gain scan's covariances and the
+two-key kernels' saved tensors; empty placeholders where a branch has none), kept
+by its autograd and not differentiable: nothing of the forward is run again in the
+backward. :func:`kdn_compile.diag_kdn` returns the first three.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from torch import Tensor
 from kdn_compile import reference as ref
 from kdn_compile.ops._dispatch import TRITON, _tracing, can_launch
 from kdn_compile.ops._registry import FamilyOps
+from kdn_compile.ops.kda import SAVED as TWO_KEY_SAVED
 from kdn_compile.reference._common import segments, work_dtype
 
 if TRITON:  # else every op takes its reference (see _dispatch.TRITON)
@@ -100,36 +106,31 @@ def _memory_decay(log_alpha: Tensor) -> Tensor:
     return log_alpha.clamp_min(ref.LOG_MEMORY_ALPHA_FLOOR)
 
 
-def _memory_fwd(q, k, v, log_alpha, gain, memory, cu_seqlens, scale, chunk_size):
-    """``(output, memory)`` of the two-key memory on the kernels (else the reference math)."""
-    if not _memory_kernels(q, v, chunk_size):
-        return _memory(q, k, v, log_alpha, gain, memory, cu_seqlens, scale, chunk_size)
-    output, final, *_ = two_key_fwd(
-        q, k, gain, v, _memory_decay(log_alpha), memory, cu_seqlens,
-        chunk_size=chunk_size, scale=scale, state_v_first=False,
-    )
-    return output, final
+# The outputs of kdn::diag_kdn after (output, memory, precision): what its backward reads.
+SAVED = ("gain", "chunk_cov", "final_cov") + TWO_KEY_SAVED
+
+
+def _placeholders(like: Tensor, n: int) -> tuple[Tensor, ...]:
+    return tuple(like.new_empty(0) for _ in range(n))
 
 
 @torch.library.triton_op("kdn::diag_kdn_memory_bwd", mutates_args=())
 def diag_kdn_memory_bwd_op(
     q: Tensor, k: Tensor, v: Tensor, log_alpha: Tensor, gain: Tensor, memory: Tensor,
     cu_seqlens: Optional[Tensor], scale: float, chunk_size: int,
+    c: Tensor, qd: Tensor, kd: Tensor, wl: Tensor, tmat: Tensor, rmat: Tensor, h: Tensor,
+    x: Tensor, chunk_seq: Tensor, chunk_first: Tensor,
     grad_output: Tensor, grad_memory: Optional[Tensor],
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Gradients of the Diag-KDN memory on the two-key kernels.
+    """Gradients of the Diag-KDN memory on the two-key kernels, from the forward's
+    saved tensors (``c`` .. ``chunk_first``, as :func:`two_key_fwd` returns them).
 
     Returns ``(dq, dk, dv, dlog_alpha, dgain, dmemory)``; ``dlog_alpha`` is zero
     where ``log_alpha`` sits below the memory floor (the clamp's gradient).
-    Recomputes the forward's saved tensors.
     """
-    decay = _memory_decay(log_alpha)
-    _, _, *saved = two_key_fwd(
-        q, k, gain, v, decay, memory, cu_seqlens,
-        chunk_size=chunk_size, scale=scale, state_v_first=False,
-    )
     dq, dk, dgain, dv, ddecay, dmemory = two_key_bwd(
-        q, k, gain, v, decay, memory, cu_seqlens, *saved, grad_output, grad_memory,
+        q, k, gain, v, _memory_decay(log_alpha), memory, cu_seqlens,
+        c, qd, kd, wl, tmat, rmat, h, x, chunk_seq, chunk_first, grad_output, grad_memory,
         chunk_size=chunk_size, scale=scale, state_v_first=False,
     )
     dlog_alpha = torch.where(log_alpha >= ref.LOG_MEMORY_ALPHA_FLOOR, ddecay, 0.0)
@@ -141,22 +142,35 @@ def diag_kdn_op(
     q: Tensor, k: Tensor, v: Tensor, log_alpha: Tensor, omega: Tensor, r: Tensor,
     memory: Tensor, precision: Tensor, cu_seqlens: Optional[Tensor],
     scale: float, info_scale: float, chunk_size: int,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Diag-KDN; launches Triton where it can, else the reference op."""
-    if _gain_kernels(q, k, log_alpha, omega, r, precision, cu_seqlens):
-        gain, final_precision, _, _ = kalman_gain_fwd(
-            k, log_alpha, omega, r, precision, cu_seqlens, info_scale=info_scale)
-        output, memory = _memory_fwd(q, k, v, log_alpha, gain, memory, cu_seqlens, scale,
-                                     chunk_size)
-        return output, memory, final_precision
-    return torch.ops.kdn.diag_kdn_reference(
-        q, k, v, log_alpha, omega, r, memory, precision, cu_seqlens, scale, info_scale,
-        chunk_size,
-    )
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
+           Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Diag-KDN; launches Triton where it can, else the reference op.
+
+    Returns ``(output, memory, precision, *saved)`` (:data:`SAVED`).
+    """
+    if not _gain_kernels(q, k, log_alpha, omega, r, precision, cu_seqlens):
+        found = torch.ops.kdn.diag_kdn_reference(
+            q, k, v, log_alpha, omega, r, memory, precision, cu_seqlens, scale, info_scale,
+            chunk_size,
+        )
+        return (*found, *_placeholders(q, len(SAVED)))
+    gain, final_precision, chunk_cov, final_cov = kalman_gain_fwd(
+        k, log_alpha, omega, r, precision, cu_seqlens, info_scale=info_scale)
+    if _memory_kernels(q, v, chunk_size):
+        output, memory, *two_key_saved = two_key_fwd(
+            q, k, gain, v, _memory_decay(log_alpha), memory, cu_seqlens,
+            chunk_size=chunk_size, scale=scale, state_v_first=False,
+        )
+    else:
+        output, memory = _memory(q, k, v, log_alpha, gain, memory, cu_seqlens, scale,
+                                 chunk_size)
+        two_key_saved = _placeholders(q, len(TWO_KEY_SAVED))
+    return (output, memory, final_precision, gain, chunk_cov, final_cov, *two_key_saved)
 
 
-def _diag_kdn_backward(inputs, grads):
-    """Gain kernels recomputed and reversed; the memory part through its reference math."""
+def _diag_kdn_backward(inputs, grads, saved):
+    """The gain kernels reversed and the memory's backward, from the forward's saved
+    tensors; the memory through its reference math where its kernels do not run."""
     q, k, v, log_alpha, omega, r, memory, precision, cu_seqlens = (
         inputs[n] for n in ("q", "k", "v", "log_alpha", "omega", "r", "memory", "precision",
                             "cu_seqlens"))
@@ -164,13 +178,12 @@ def _diag_kdn_backward(inputs, grads):
         return DIAG_KDN.reference_backward(inputs, grads)
     doutput, dmemory, dprecision = grads
     info_scale = inputs["info_scale"]
-    gain, _, chunk_cov, final_cov = kalman_gain_fwd(
-        k, log_alpha, omega, r, precision, cu_seqlens, info_scale=info_scale)
+    gain, chunk_cov, final_cov, *two_key_saved = saved
     dtype = work_dtype(q.dtype)
     if _memory_kernels(q, v, inputs["chunk_size"]):
         dq, dk, dv, dlog_alpha, dgain, dmemory0 = diag_kdn_memory_bwd_op(
             q, k, v, log_alpha, gain, memory, cu_seqlens, inputs["scale"],
-            inputs["chunk_size"], doutput, dmemory)
+            inputs["chunk_size"], *two_key_saved, doutput, dmemory)
         dk, dlog_alpha = dk.to(dtype), dlog_alpha.to(dtype)
     else:
         with torch.enable_grad():
@@ -192,4 +205,4 @@ def _diag_kdn_backward(inputs, grads):
     }
 
 
-DIAG_KDN.attach_autograd(diag_kdn_op, _diag_kdn_backward)
+DIAG_KDN.attach_autograd(diag_kdn_op, _diag_kdn_backward, saved=len(SAVED))
