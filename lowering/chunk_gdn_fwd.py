@@ -38,6 +38,7 @@ from ._launch import (
     state_tile,
     uncovered_inputs,
 )
+from ._tiles import inv_unit_lower
 
 __all__ = [
     "chunk_gdn_fwd", "gdn_kernel_supports", "gdn_layout", "gdn_prepare", "gdn_recompute_states",
@@ -135,22 +136,6 @@ def _rows(x, rows, eos, stride, D: tl.constexpr):
 
 
 @triton.jit
-def _inv_unit_lower(b_a, BC: tl.constexpr):
-    """``(I + A)^-1`` of a strictly lower ``[BC, BC]`` float32 block, by substitution.
-
-    ``X = Ai - I`` solves ``X = -A - A X`` one row at a time.
-    """
-    o_i = tl.arange(0, BC)
-    b_x = -b_a
-    for i in range(2, BC):
-        m_i = o_i == i
-        b_row = tl.sum(tl.where(m_i[:, None], b_x, 0.0), 0)
-        b_row = b_row + tl.sum(b_row[:, None] * b_x, 0)
-        b_x = tl.where(m_i[:, None], b_row[None, :], b_x)
-    return b_x + (o_i[:, None] == o_i[None, :]).to(tl.float32)
-
-
-@triton.jit
 def _store_block(x, b_x, rows, eos, col, H: tl.constexpr, BT: tl.constexpr):
     """Rows ``rows`` (columns ``col .. col + BC``) of a ``[., H, BT]`` per-row matrix buffer."""
     o_c = col + tl.arange(0, b_x.shape[1])
@@ -223,14 +208,14 @@ def _chunk_gdn_prepare_kernel(
     r2 = r1 + BC
     r3 = r2 + BC
     r4 = r3 + BC
-    b_i11 = _inv_unit_lower(_load_block(scratch, r1, eos, 0, H, BT, BC), BC)
+    b_i11 = inv_unit_lower(_load_block(scratch, r1, eos, 0, H, BT, BC))
     _store_block(ai, b_i11, r1, eos, 0, H, BT)
-    b_i22 = _inv_unit_lower(_load_block(scratch, r2, eos, BC, H, BT, BC), BC)
+    b_i22 = inv_unit_lower(_load_block(scratch, r2, eos, BC, H, BT, BC))
     b_a21 = _load_block(scratch, r2, eos, 0, H, BT, BC)
     b_i21 = -_dot32(_dot32(b_i22, b_a21), b_i11)
     _store_block(ai, b_i21, r2, eos, 0, H, BT)
     _store_block(ai, b_i22, r2, eos, BC, H, BT)
-    b_i33 = _inv_unit_lower(_load_block(scratch, r3, eos, 2 * BC, H, BT, BC), BC)
+    b_i33 = inv_unit_lower(_load_block(scratch, r3, eos, 2 * BC, H, BT, BC))
     b_a31 = _load_block(scratch, r3, eos, 0, H, BT, BC)
     b_a32 = _load_block(scratch, r3, eos, BC, H, BT, BC)
     b_i32 = -_dot32(_dot32(b_i33, b_a32), b_i22)
@@ -238,7 +223,7 @@ def _chunk_gdn_prepare_kernel(
     _store_block(ai, b_i31, r3, eos, 0, H, BT)
     _store_block(ai, b_i32, r3, eos, BC, H, BT)
     _store_block(ai, b_i33, r3, eos, 2 * BC, H, BT)
-    b_i44 = _inv_unit_lower(_load_block(scratch, r4, eos, 3 * BC, H, BT, BC), BC)
+    b_i44 = inv_unit_lower(_load_block(scratch, r4, eos, 3 * BC, H, BT, BC))
     b_a41 = _load_block(scratch, r4, eos, 0, H, BT, BC)
     b_a42 = _load_block(scratch, r4, eos, BC, H, BT, BC)
     b_a43 = _load_block(scratch, r4, eos, 2 * BC, H, BT, BC)

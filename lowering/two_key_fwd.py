@@ -23,6 +23,7 @@ import triton.language as tl
 from torch.library import wrap_triton
 
 from kdn_compile.lowering._launch import dot_precision
+from kdn_compile.lowering._tiles import inv_unit_lower
 from kdn_compile.lowering.two_key_common import (
     BC,
     BT,
@@ -41,21 +42,8 @@ from kdn_compile.lowering.two_key_common import (
 
 @triton.jit
 def _unit_lower_inverse(a_ptr, row0, m_r, i_h, col0, H: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
-    """``(I + L)^-1`` of the strictly lower ``[BC, BC]`` diagonal block at token ``row0``.
-
-    ``L`` is nilpotent (``L^16 = 0``), so ``(I + L)^-1 = (I - L)(I + L^2)(I + L^4)(I + L^8)``:
-    six float32 products instead of a 16-step substitution.
-    """
-    o_c = tl.arange(0, BC)
-    b_n = -load_block(a_ptr, row0, m_r, i_h, col0, H, BT, BC).to(tl.float32)
-    b_t = tl.where(o_c[:, None] == o_c[None, :], 1.0, 0.0) + b_n
-    b_p = tl.dot(b_n, b_n, input_precision="ieee")
-    b_t += tl.dot(b_t, b_p, input_precision="ieee")
-    b_p = tl.dot(b_p, b_p, input_precision="ieee")
-    b_t += tl.dot(b_t, b_p, input_precision="ieee")
-    b_p = tl.dot(b_p, b_p, input_precision="ieee")
-    b_t += tl.dot(b_t, b_p, input_precision="ieee")
-    return b_t
+    """``(I + L)^-1`` of the strictly lower ``[BC, BC]`` diagonal block at token ``row0``."""
+    return inv_unit_lower(load_block(a_ptr, row0, m_r, i_h, col0, H, BT, BC).to(tl.float32))
 
 
 @triton.jit
