@@ -21,6 +21,7 @@ import torch
 import triton
 from torch.library import wrap_triton
 
+from kdn_compile.lowering._launch import chunk_owners
 from kdn_compile.lowering.kalman_gain_bwd import (
     _kalman_gain_bwd_chunk_map_kernel,
     _kalman_gain_bwd_chunk_scan_kernel,
@@ -90,9 +91,7 @@ def _chunks(k, cu_seqlens):
     counts = (cu_seqlens[1:] - cu_seqlens[:-1] + CHUNK - 1) // CHUNK
     offsets = torch.cat((counts.new_zeros(1), counts.cumsum(0))).to(torch.int32)
     nc = triton.cdiv(length, CHUNK) + n
-    slots = torch.arange(nc, device=k.device, dtype=torch.int32)
-    seq = torch.searchsorted(offsets[1:], slots, right=True).clamp_max(n - 1).to(torch.int32)
-    return n, 0, nc, seq, offsets
+    return n, 0, nc, chunk_owners(counts, nc).clamp_max(n - 1), offsets
 
 
 def _walk_args(length, nt, heads, key_dim, varlen, info_scale):
@@ -127,8 +126,8 @@ def kalman_gain_fwd(k, log_alpha, omega, r, precision, cu_seqlens=None, *, info_
 
     Returns:
         ``(gain [B, T, H, K] float32, final_precision [N, H, K] float32,
-        chunk_covariance [NC, H, K], final_covariance [N, H, K])``; the last two
-        are saved for :func:`kalman_gain_bwd`.
+        chunk_covariance [NC * H * K] (flat), final_covariance [N, H, K])``; the
+        last two are saved for :func:`kalman_gain_bwd`.
     """
     k, log_alpha, omega, r = (t.contiguous() for t in (k, log_alpha, omega, r))
     precision = precision.contiguous()
@@ -136,8 +135,9 @@ def kalman_gain_fwd(k, log_alpha, omega, r, precision, cu_seqlens=None, *, info_
     n, nt, nc, chunk_seq, chunk_offsets = _chunks(k, cu_seqlens)
     varlen = cu_seqlens is not None
     f32 = dict(device=k.device, dtype=torch.float32)
-    maps = torch.empty(nc, heads, 4, key_dim, **f32)
-    chunk_cov = torch.empty(nc, heads, key_dim, **f32)
+    # per-chunk buffers flat: a dimension of one chunk makes torch.export guard on T
+    maps = torch.empty(nc * heads * 4 * key_dim, **f32)  # [NC, H, 4, K]
+    chunk_cov = torch.empty(nc * heads * key_dim, **f32)  # [NC, H, K]
     final_cov = torch.empty(n, heads, key_dim, **f32)
     final_precision = torch.empty(n, heads, key_dim, **f32)
     gain = torch.empty(batch, length, heads, key_dim, **f32)
@@ -175,8 +175,8 @@ def kalman_gain_bwd(
     n, nt, nc, chunk_seq, chunk_offsets = _chunks(k, cu_seqlens)
     varlen = cu_seqlens is not None
     f32 = dict(device=k.device, dtype=torch.float32)
-    adj_maps = torch.empty(nc, heads, 2, key_dim, **f32)
-    chunk_adj = torch.empty(nc, heads, key_dim, **f32)
+    adj_maps = torch.empty(nc * heads * 2 * key_dim, **f32)  # [NC, H, 2, K], flat as above
+    chunk_adj = torch.empty(nc * heads * key_dim, **f32)  # [NC, H, K]
     prev_cov = torch.empty(k.shape, **f32)
     dk, dlog_alpha, domega = (torch.empty_like(t) for t in (k, log_alpha, omega))
     dr, dprecision0 = torch.empty_like(r), torch.empty_like(precision)

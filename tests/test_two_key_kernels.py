@@ -404,7 +404,8 @@ def test_kernel_path_traces_as_on_the_gpu(which, expected):
     their saved outputs through AOTAutograd's min-cut partitioner (a backward kernel
     once seen writing the saved ``chunk_first`` failed there: "Node getitem_29 was
     invalid, but is output"), and the layers through torch.export with a dynamic length
-    (a one-element saved tensor once made it guard on the length)."""
+    (a saved or scratch tensor with a dimension of one chunk once made it guard on the
+    length)."""
     import subprocess
     import sys
 
