@@ -196,4 +196,7 @@ def check_float(name: str, value) -> float:
     """A Python real number as float (not bool, not a tensor)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a float, got {type(value).__name__}")
+    # not while compiling: dynamo may trace a float as symbolic (math.isfinite breaks it)
+    if isinstance(value, float) and not torch.compiler.is_compiling() and not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
     return float(value)

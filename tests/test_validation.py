@@ -135,3 +135,35 @@ def test_w_quantizer_result_is_checked():
         kdn_compile.chunk_gdn(**x, w_quantizer=lambda w: w[:, :4])
     with pytest.raises(TypeError, match=r"w_quantizer must return a float tensor, got NoneType"):
         kdn_compile.chunk_gdn(**x, w_quantizer=lambda w: None)
+
+
+def test_scales_must_be_finite():
+    x = delta_inputs(T=4, K=4, V=3)
+    with pytest.raises(ValueError, match=r"scale must be finite, got nan"):
+        kdn_compile.chunk_gdn(**x, scale=float("nan"))
+    z = kdn_inputs(T=5, K=4, V=3)
+    with pytest.raises(ValueError, match=r"info_scale must be finite, got inf"):
+        kdn_compile.diag_kdn(**z, scale=1.0, info_scale=float("inf"))
+    from kdn_compile.layers import DiagKDN
+
+    with pytest.raises(ValueError, match=r"info_scale must be finite, got nan"):
+        DiagKDN(32, 2, 16, info_scale=float("nan"))
+
+
+def test_layers_check_cu_seqlens_before_the_packed_convolution():
+    """The short convolution gathers rows by ``cu_seqlens``: bad boundaries once gave an
+    IndexError eagerly and aborted the process (Inductor's C++ bounds check) compiled."""
+    from kdn_compile.layers import DiagKDN, GatedDeltaNet
+
+    torch.manual_seed(0)
+    for layer in (GatedDeltaNet(32, 2, 16), DiagKDN(32, 2, 16)):
+        with pytest.raises(ValueError, match=r"end at T = 20, got \[0, 5, 21\]"):
+            layer(torch.randn(1, 20, 32), cu_seqlens=torch.tensor([0, 5, 21]))
+        with pytest.raises(ValueError, match=r"with cu_seqlens the batch size must be 1, got B = 2"):
+            layer(torch.randn(2, 10, 32), cu_seqlens=torch.tensor([0, 3, 10]))
+    layer = GatedDeltaNet(32, 2, 16)
+    compiled = torch.compile(layer, fullgraph=True)
+    x = torch.randn(1, 20, 32)
+    compiled(x, cu_seqlens=torch.tensor([0, 5, 20]))
+    with pytest.raises(RuntimeError, match=r"cu_seqlens must start at 0, never decrease"):
+        compiled(x, cu_seqlens=torch.tensor([0, 25, 20]))

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kdn_compile._checks import check_state, num_sequences
+from kdn_compile._checks import check_cu_seqlens, check_state, num_sequences
 
 
 class ShortConv(nn.Module):
@@ -171,6 +171,8 @@ def convolved_qkv(layer: nn.Module, x: torch.Tensor, conv_cache, cu_seqlens, val
     if x.shape[-1] != hidden:
         raise ValueError(f"x must be [B, T, D] with D = hidden_size = {hidden}, "
                          f"got shape {tuple(x.shape)}")
+    # before the packed convolution gathers rows by cu_seqlens
+    check_cu_seqlens(cu_seqlens, x.shape[0], x.device, x.shape[1])
     qkv = torch.cat((layer.q_proj(x), layer.k_proj(x), layer.v_proj(x)), dim=-1)
     qkv, conv_cache = layer.conv(qkv, conv_cache, cu_seqlens)
     key_width = layer.num_heads * layer.head_dim

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 import kdn_compile
-from kdn_compile._checks import check_state, num_sequences
+from kdn_compile._checks import check_float, check_state, num_sequences
 from kdn_compile.layers._common import GatedRMSNorm, ShortConv, check_sizes, convolved_qkv, heads
 from kdn_compile.layers._common import decay_rate_log, time_step_bias, work
 from kdn_compile.reference import (
@@ -71,7 +71,7 @@ class DiagKDN(nn.Module):
                     head_v_dim=head_v_dim, conv_size=conv_size, chunk_size=chunk_size)
         head_v_dim = head_dim if head_v_dim is None else head_v_dim
         self.num_heads, self.head_dim, self.head_v_dim = num_heads, head_dim, head_v_dim
-        self.info_scale, self.chunk_size = info_scale, chunk_size
+        self.info_scale, self.chunk_size = check_float("info_scale", info_scale), chunk_size
         key_width, value_width = num_heads * head_dim, num_heads * head_v_dim
 
         self.q_proj = nn.Linear(hidden_size, key_width, bias=False)
