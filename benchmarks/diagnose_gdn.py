@@ -109,7 +109,7 @@ def one(job: dict) -> dict:
         stage = "forward"
         scale = job["K"] ** -0.5
         with _poisoned():
-            o, ht = fwd.chunk_gdn_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"],
+            o, ht, *_ = fwd.chunk_gdn_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"],
                                       x["initial_state"], None, chunk_size=64, scale=scale,
                                       state_v_first=False)
         _sync()

@@ -156,10 +156,12 @@ def chunk_gdn(
             state_v_first, state_qdq, block_v,
         )
     op = _ops.chunk_gdn if prefer_kernels(q.device.type) else _ops.chunk_gdn_reference
-    return op(
+    # kdn::chunk_gdn appends the tensors its backward reuses: not for the caller.
+    o, final_state, *_ = op(
         q, k, v, g, beta, initial_state, cu_seqlens, chunk_size, scale,
         state_v_first, state_qdq, block_v,
     )
+    return o, final_state
 
 
 def chunk_kda(

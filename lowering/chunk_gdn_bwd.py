@@ -241,11 +241,12 @@ def grad_config(k_dim: int, v_dim: int, dtype: torch.dtype) -> tuple[int, int, i
 
 
 def chunk_gdn_bwd(q, k, v, g, beta, initial_state, cu_seqlens, do, dht, *,
-                  chunk_size, scale, state_v_first):
+                  chunk_size, scale, state_v_first, prepared=None):
     """Gradients of :func:`chunk_gdn_fwd` for ``do`` (like ``o``) and ``dht`` (like the final state).
 
-    Inputs as :func:`chunk_gdn_fwd` (nothing saved: gates, ``Ai`` and ``M`` are
-    recomputed); ``dht`` may be None (zero). Returns
+    Inputs as :func:`chunk_gdn_fwd`; ``prepared`` is its ``(gc, ai, aqk)`` or None
+    (then the prepare kernel runs again); the chunk states are recomputed either
+    way. ``dht`` may be None (zero). Returns
     ``(dq, dk, dv, dg, dbeta, dh0)`` in the dtypes of
     ``q, k, v, g, beta, initial_state``; ``dh0`` is None without an initial state.
     Raises ValueError for inputs that
@@ -263,7 +264,9 @@ def chunk_gdn_bwd(q, k, v, g, beta, initial_state, cu_seqlens, do, dht, *,
     prec = dot_precision(k.dtype)
     scale = _scale(scale, q)
 
-    gc, ai, aqk = gdn_prepare(q, k, g, beta, cu_seqlens, layout)
+    if prepared is None:
+        prepared = gdn_prepare(q, k, g, beta, cu_seqlens, layout)
+    gc, ai, aqk = prepared
     hs = gdn_recompute_states(k, v, gc, beta, ai, initial_state, cu_seqlens, layout,
                               state_v_first=state_v_first)
     tile, stages, warps = recurrence_config(dk_, dv_, k.dtype, n * hv, v.device)

@@ -368,9 +368,11 @@ def chunk_gdn_fwd(q, k, v, g, beta, initial_state, cu_seqlens, *, chunk_size, sc
         ValueError: inputs that :func:`gdn_kernel_supports` does not cover.
 
     Returns:
-        ``(o, final_state)``: ``o`` like ``v``; ``final_state`` float32 in the
-        layout of ``initial_state``. Nothing is saved: :func:`chunk_gdn_bwd`
-        recomputes the gates, ``Ai`` and ``M`` (one parallel launch).
+        ``(o, final_state, gc, ai, aqk)``: ``o`` like ``v``; ``final_state`` float32
+        in the layout of ``initial_state``; then what :func:`chunk_gdn_bwd` can take
+        as ``prepared`` instead of launching the prepare kernel again: the in-chunk
+        cumulative gates ``gc`` (float32 ``[B, T, Hv]``), ``Ai = (I + A)^-1`` and
+        ``M`` (``[B, T, Hv, 64]`` in ``k``'s dtype, row ``t`` of its chunk's matrix).
 
     Math: :func:`kdn_compile.reference.chunk_gdn_reference` (FLA's WY form).
     """
@@ -384,7 +386,7 @@ def chunk_gdn_fwd(q, k, v, g, beta, initial_state, cu_seqlens, *, chunk_size, sc
         q, k, v, gc, beta, ai, aqk, initial_state, cu_seqlens, layout,
         scale=_scale(scale, q), state_v_first=state_v_first, recompute=False,
     )
-    return o, ht
+    return o, ht, gc, ai, aqk
 
 
 def gdn_recompute_states(k, v, gc, beta, ai, initial_state, cu_seqlens, layout, *,

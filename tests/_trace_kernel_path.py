@@ -1,9 +1,9 @@
 """Trace an op's Triton branch on the CPU as ``torch.compile``, opcheck and export do on a GPU.
 
-``python tests/_trace_kernel_path.py export`` exports the KDA and Diag-KDN layers
+``python tests/_trace_kernel_path.py export`` exports the GDN, KDA and Diag-KDN layers
 with a dynamic length and prints ``exported`` and the ``kdn`` ops of each graph.
-``python tests/_trace_kernel_path.py {gain,kda,kdn}`` compiles a call of the op
-``kdn::diag_kdn`` (gain kernels, memory by the reference math: ``gain``),
+``python tests/_trace_kernel_path.py {gdn,gain,kda,kdn}`` compiles a call of the op
+``kdn::chunk_gdn`` (``gdn``), ``kdn::diag_kdn`` (gain kernels, memory by the reference math: ``gain``),
 ``kdn::chunk_kda`` (``kda``) or ``kdn::diag_kdn`` with the memory on the two-key
 kernels (``kdn``), all its outputs returned as opcheck's AOT-dispatch test does, with
 ``fullgraph=True, dynamic=True`` through AOTAutograd: the op's saved outputs,
@@ -28,6 +28,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import kdn_compile  # noqa: E402
 from _helpers import delta_inputs, kdn_inputs  # noqa: E402
+from kdn_compile.ops import gdn as gdn_ops  # noqa: E402
 from kdn_compile.ops import kda as kda_ops  # noqa: E402
 from kdn_compile.ops import kdn as kdn_ops  # noqa: E402
 
@@ -44,7 +45,8 @@ class _Captured(Exception):
 def export_layers() -> None:
     import kdn_compile.layers as layers
 
-    for name, cls in (("kda", layers.KimiDeltaAttention), ("kdn", layers.DiagKDN)):
+    for name, cls in (("gdn", layers.GatedDeltaNet), ("kda", layers.KimiDeltaAttention),
+                      ("kdn", layers.DiagKDN)):
         torch.manual_seed(0)
         layer = cls(256, 2, 64).eval()
         seq = torch.export.Dim("seq", min=2, max=4096)
@@ -57,7 +59,7 @@ def export_layers() -> None:
 
 def main(which: str) -> None:
     triton.runtime.driver.set_active(_Sm90())
-    kda_ops.can_launch = kdn_ops.can_launch = lambda x: True
+    gdn_ops.can_launch = kda_ops.can_launch = kdn_ops.can_launch = lambda x: True
     kdn_ops.kalman_gain_kernel_supports = lambda *args: True
     if which == "export":
         return export_layers()
@@ -70,7 +72,13 @@ def main(which: str) -> None:
             raise _Captured
         return run
 
-    if which == "kda":
+    if which == "gdn":
+        x = delta_inputs(B=2, T=70, Hk=1, Hv=2, K=16, V=16, dtype=torch.float32)
+
+        def step(q, k, v, g, beta, initial_state):
+            return torch.ops.kdn.chunk_gdn(q, k, v, g, beta, initial_state, None, 64, 0.25,
+                                           False, False, 64)
+    elif which == "kda":
         x = delta_inputs(B=2, T=70, Hk=1, Hv=2, K=16, V=16, per_key=True, dtype=torch.float32)
 
         def step(q, k, v, g, beta, initial_state):

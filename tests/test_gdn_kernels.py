@@ -23,7 +23,7 @@ if not torch.cuda.is_available():
 from kdn_compile.lowering.chunk_gdn_bwd import chunk_gdn_bwd  # noqa: E402
 from kdn_compile.lowering.chunk_gdn_fwd import chunk_gdn_fwd, gdn_kernel_supports  # noqa: E402
 from kdn_compile.reference import chunk_gdn_reference  # noqa: E402
-from tests._helpers import assert_close  # noqa: E402
+from tests._helpers import assert_close, count_calls  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -67,7 +67,7 @@ def _check(x, cu_seqlens, *, state_v_first, tol, with_dht=True, seed=1):
     """Kernels vs float64 reference: o, final state and every gradient."""
     scale = x["q"].shape[-1] ** -0.5
     with _poisoned():
-        o, ht = chunk_gdn_fwd(
+        o, ht, *prepared = chunk_gdn_fwd(
             x["q"], x["k"], x["v"], x["g"], x["beta"], x["initial_state"], cu_seqlens,
             chunk_size=64, scale=scale, state_v_first=state_v_first,
         )
@@ -77,7 +77,7 @@ def _check(x, cu_seqlens, *, state_v_first, tol, with_dht=True, seed=1):
     with _poisoned():
         grads = chunk_gdn_bwd(
             x["q"], x["k"], x["v"], x["g"], x["beta"], x["initial_state"], cu_seqlens, do, dht,
-            chunk_size=64, scale=scale, state_v_first=state_v_first,
+            chunk_size=64, scale=scale, state_v_first=state_v_first, prepared=prepared,
         )
     leaves = {n: (t.detach().double().requires_grad_() if t is not None else None)
               for n, t in x.items()}
@@ -199,18 +199,18 @@ def test_op_kernel_path_autograd():
     import kdn_compile
     from kdn_compile.ops import gdn as gdn_ops
 
-    calls = []
+    import kdn_compile.lowering.chunk_gdn_bwd as bwd_module
+
     device = "cuda" if CUDA else "cpu"
     x = _inputs(1, 70, 1, 2, 16, 16, N=1, dtype=torch.float32, device=device, seed=3)
     leaves = {n: t.clone().requires_grad_() for n, t in x.items()}
     with pytest.MonkeyPatch.context() as patch, kdn_compile.use_backend("triton"):
-        for name in ("chunk_gdn_fwd", "chunk_gdn_bwd"):
-            launcher = getattr(gdn_ops, name)
-            patch.setattr(gdn_ops, name,
-                          lambda *a, _f=launcher, _n=name, **kw: calls.append(_n) or _f(*a, **kw))
+        calls = count_calls(patch, gdn_ops, ("chunk_gdn_fwd", "chunk_gdn_bwd"))
+        prepares = count_calls(patch, bwd_module, ("gdn_prepare",))
         o, ht = kdn_compile.chunk_gdn(**leaves)
         (o.sum() + ht.square().sum()).backward()
     assert calls == ["chunk_gdn_fwd", "chunk_gdn_bwd"]
+    assert prepares == [], "the backward reuses the forward's gates, (I + A)^-1 and M"
     ref = {n: t.detach().double().requires_grad_() for n, t in x.items()}
     ro, rh = chunk_gdn_reference(**ref)
     (ro.sum() + rh.square().sum()).backward()

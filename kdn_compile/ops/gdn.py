@@ -4,7 +4,9 @@
   chunked recurrence, optional FP8 state fake quantization included. Where the
   Triton kernels of ``lowering/chunk_gdn_*.py`` cover the inputs (see
   :func:`_gdn_kernels`), the forward launches them and the backward is
-  ``kdn::chunk_gdn_bwd`` (triton_op); elsewhere both take the reference.
+  ``kdn::chunk_gdn_bwd`` (triton_op), which reuses the gates, ``(I + A)^-1`` and
+  ``M`` that ``kdn::chunk_gdn`` returns after ``(o, final_state)`` (:data:`SAVED`;
+  placeholders on the reference branch); elsewhere both take the reference.
 * ``kdn::gdn_wy_operands_reference`` and ``kdn::gdn_wy_recurrence_reference``:
   the same computation cut in two around the WY operand ``W`` so that a user's
   ``w_quantizer`` (a Python callable, which no schema can carry) runs between
@@ -76,23 +78,32 @@ def _gdn_kernels(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size, state_
     )
 
 
+# The outputs of chunk_gdn_fwd after (o, final_state): what chunk_gdn_bwd takes as prepared.
+SAVED = ("gc", "ai", "aqk")
+
+
 @torch.library.triton_op("kdn::chunk_gdn", mutates_args=())
 def chunk_gdn_op(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
     initial_state: Optional[Tensor], cu_seqlens: Optional[Tensor],
     chunk_size: int, scale: float, state_v_first: bool,
     state_qdq: bool, state_qdq_block_v: int,
-) -> tuple[Tensor, Tensor]:
-    """Chunked GDN; launches Triton where it can, else the reference op."""
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Chunked GDN; launches Triton where it can, else the reference op.
+
+    Returns ``(o, final_state, *saved)``: the kernels' :data:`SAVED` tensors, or
+    empty placeholders after the reference.
+    """
     if _gdn_kernels(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size, state_qdq):
         return chunk_gdn_fwd(
             q, k, v, g, beta, initial_state, cu_seqlens, chunk_size=chunk_size, scale=scale,
             state_v_first=state_v_first,
         )
-    return torch.ops.kdn.chunk_gdn_reference(
+    o, final_state = torch.ops.kdn.chunk_gdn_reference(
         q, k, v, g, beta, initial_state, cu_seqlens, chunk_size, scale,
         state_v_first, state_qdq, state_qdq_block_v,
     )
+    return (o, final_state, *(q.new_empty(0) for _ in SAVED))
 
 
 @torch.library.triton_op("kdn::chunk_gdn_bwd", mutates_args=())
@@ -100,17 +111,19 @@ def chunk_gdn_bwd_op(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
     initial_state: Optional[Tensor], cu_seqlens: Optional[Tensor],
     chunk_size: int, scale: float, state_v_first: bool,
+    gc: Tensor, ai: Tensor, aqk: Tensor,
     grad_o: Tensor, grad_state: Optional[Tensor],
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Gradients of ``kdn::chunk_gdn`` on its kernel path: ``(dq, dk, dv, dg, dbeta, dh0)``.
 
-    Recomputes the forward's gates, ``(I + A)^-1`` and chunk states (nothing is
-    saved). ``grad_state`` may be None (zero); ``dh0`` is an empty tensor when
-    ``initial_state`` is None.
+    Takes the forward's :data:`SAVED` gates, ``(I + A)^-1`` and ``M``, and
+    recomputes the chunk states. ``grad_state`` may be None (zero); ``dh0`` is an
+    empty tensor when ``initial_state`` is None.
     """
     dq, dk, dv, dg, dbeta, dh0 = chunk_gdn_bwd(
         q, k, v, g, beta, initial_state, cu_seqlens, grad_o, grad_state,
         chunk_size=chunk_size, scale=scale, state_v_first=state_v_first,
+        prepared=(gc, ai, aqk),
     )
     return dq, dk, dv, dg, dbeta, (q.new_empty(0) if dh0 is None else dh0)
 
@@ -124,6 +137,7 @@ CHUNK_GDN.attach_autograd(
         ("q", "k", "v", "g", "beta", "initial_state", "cu_seqlens", "chunk_size", "scale",
          "state_v_first"),
     ),
+    saved=len(SAVED),
 )
 
 
