@@ -9,9 +9,9 @@ state and every gradient, or the error that stopped it. With ``$OUT`` set,
 writes the lines as JSON there.
 
 Run: ``python benchmarks/diagnose_gdn.py [--jobs 8] [--timeout 180] [--only K256]``.
-A job: ``--one '{"dtype": "bf16", "K": 256, "V": 256, "rec": [16, 1, 4], "grad": [16, 4, 1],
-"prep": 4}'`` (``rec``: BV, stages, warps of the state passes; ``grad``: BV, warps,
-stages of the per-chunk backward kernel; ``prep``: the prepare kernel's warps).
+A job: ``--one '{"dtype": "bf16", "K": 256, "V": 256, "rec": [16, 1, 4], "grad": [16, 4, 1]}'``
+(``rec``: BV, stages, warps of the state passes; ``grad``: BV, warps, stages of the
+per-chunk backward kernel).
 """
 
 from __future__ import annotations
@@ -29,9 +29,10 @@ HALF_DIMS = [(16, 16), (32, 32), (32, 16), (16, 64), (64, 16), (128, 32), (32, 1
 FP32_DIMS = [(16, 16), (256, 64), (128, 256), (256, 256), (16, 256)]
 # 2026-11-30 (call 1 of the fourth session) the launchers ran one pipeline stage in the
 # state passes at K = 256 and 4 warps in the per-chunk backward at every size; the jobs
-# then also forced one kernel's configuration at a time ("rec", "grad", "prep"): that is
-# how one stage (half inputs) and 4 or 8 warps (half inputs, a head size below 64) were
-# found miscompiled. docs/benchmarks.md has the table.
+# then also forced one kernel's configuration at a time ("rec", "grad", and the prepare
+# kernel's warps, right at 2, 4 and 8): that is how one stage (half inputs) and 4 or 8
+# warps (half inputs, a head size below 64) were found miscompiled. docs/benchmarks.md
+# has the table.
 
 
 def jobs() -> list[dict]:
@@ -89,8 +90,6 @@ def one(job: dict) -> dict:
         bv, stages, warps = job["rec"]
         fwd.recurrence_config = bwd.recurrence_config = (
             lambda *a: (min(bv, job["V"]), stages, warps))
-    if "prep" in job:
-        fwd.prepare_warps = lambda *a: job["prep"]
     if "grad" in job:
         bwd.grad_config = lambda *a: tuple(job["grad"])
     dtype = getattr(torch, DTYPES[job["dtype"]])

@@ -120,7 +120,7 @@ def chunk_gdn(
             with ``B != 1`` or bad values, ``initial_state`` of the wrong shape,
             a ``chunk_size`` below 1 or not integral, a ``state_qdq_block_v`` that
             is not a positive int, mixed devices, a ``w_quantizer`` result not of
-            ``W``'s shape.
+            ``W``'s shape, a NaN or infinite ``scale`` (checked eagerly).
         TypeError: non-float inputs, mixed q/k/v dtypes, non-integer ``cu_seqlens``,
             a non-numeric ``chunk_size``, non-bool flags, a ``scale`` that is not a
             number (an int is taken as a float), a ``w_quantizer`` result that is not
@@ -300,7 +300,9 @@ def diag_kdn(
         the states in float32 (float64 for float64 inputs).
 
     Raises:
-        ValueError, TypeError: on inconsistent shapes, dtypes or devices, as :func:`chunk_gdn`.
+        ValueError, TypeError: on inconsistent shapes, dtypes or devices, as
+            :func:`chunk_gdn`; ValueError for a NaN or infinite ``scale`` or
+            ``info_scale`` (checked eagerly).
 
     Source: the Diagonal KDN specification (:mod:`kdn_compile.reference.kdn`).
     """

@@ -29,11 +29,10 @@ __all__ = [
     "dot_precision",
     "fixed_chunk",
     "fixed_sequence",
-    "head_dims_verified",
-    "uncovered_inputs",
     "num_chunks_bound",
     "sm_count",
     "state_tile",
+    "uncovered_inputs",
 ]
 
 
@@ -47,17 +46,16 @@ def chunk_offsets(cu_seqlens: torch.Tensor, chunk_size: int) -> torch.Tensor:
     return torch.cat((counts.new_zeros(1), counts.cumsum(0))).to(torch.int32)
 
 
-def chunk_owners(counts: torch.Tensor, bound: int) -> torch.Tensor:
+def chunk_owners(offsets: torch.Tensor, bound: int) -> torch.Tensor:
     """``[bound]`` int32: the sequence owning each flat chunk, ``N`` for surplus ones.
 
-    ``counts [N]`` are the sequences' chunk counts (summing to at most ``bound``).
+    ``offsets [N + 1]`` from :func:`chunk_offsets` (``offsets[-1] <= bound``).
     Device ops only, and none whose fake implementation guards on sizes (a
     ``searchsorted`` here made ``torch.export`` specialize on the length).
     """
-    n = counts.shape[0]
-    counts = counts.to(torch.int64)
-    repeats = torch.cat((counts, (bound - counts.sum()).reshape(1)))
-    owners = torch.arange(n + 1, device=counts.device, dtype=torch.int32)
+    offsets = offsets.to(torch.int64)
+    repeats = torch.cat((offsets.diff(), (bound - offsets[-1]).reshape(1)))
+    owners = torch.arange(offsets.shape[0], device=offsets.device, dtype=torch.int32)
     return torch.repeat_interleave(owners, repeats, output_size=bound)
 
 
@@ -69,7 +67,7 @@ def chunk_spans(cu_seqlens: torch.Tensor, offsets: torch.Tensor, bound: int,
     chunk (past ``offsets[-1]``) gets a first token at or past the last sequence's
     end: its program returns.
     """
-    seq = chunk_owners(offsets[1:] - offsets[:-1], bound).clamp_max(offsets.shape[0] - 2)
+    seq = chunk_owners(offsets, bound).clamp_max(offsets.shape[0] - 2)
     ids = torch.arange(bound, device=offsets.device, dtype=offsets.dtype)
     cu = cu_seqlens.to(offsets.dtype)
     t0 = cu[seq] + (ids - offsets[seq]) * chunk_size
@@ -86,19 +84,6 @@ def num_chunks_bound(batch: int, length: int, num_seqs: int, chunk_size: int, va
     if varlen:
         return triton.cdiv(length, chunk_size) + num_seqs - 1
     return batch * triton.cdiv(length, chunk_size)
-
-
-def head_dims_verified(dtype: torch.dtype, *dims: int) -> bool:
-    """Whether the two-key kernels (KDA, Diag-KDN memory) take head sizes ``dims``.
-
-    The sizes checked against the float64 reference on the H200 (Triton 3.6,
-    2026-11-30): 64 and 128 for float16/bfloat16, powers of two in ``[16, 128]``
-    for float32. The GDN kernels, with the same tile shapes, failed at other half
-    sizes until their launch configurations were fixed (``benchmarks/diagnose_gdn.py``);
-    the two-key kernels were not swept. Inputs outside take the reference.
-    """
-    allowed = (16, 32, 64, 128) if dtype == torch.float32 else (64, 128)
-    return all(d in allowed for d in dims)
 
 
 def uncovered_inputs(kernels: str, supports: str, chunk_size: int, q, v) -> ValueError:

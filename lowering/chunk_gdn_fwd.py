@@ -42,7 +42,7 @@ from ._tiles import inv_unit_lower
 
 __all__ = [
     "chunk_gdn_fwd", "gdn_kernel_supports", "gdn_layout", "gdn_prepare", "gdn_recompute_states",
-    "prepare_warps", "recurrence_config", "require_gdn_kernels",
+    "recurrence_config", "require_gdn_kernels",
 ]
 
 CHUNK = 64  # tokens per chunk: the kernels are written for 4 blocks of 16
@@ -115,11 +115,6 @@ def recurrence_config(k_dim: int, v_dim: int, dtype: torch.dtype, programs_per_t
     while tile > 16 and programs_per_tile * (v_dim // tile) < 2 * sm_count(device):
         tile //= 2
     return tile, 1 if dtype == torch.float32 and k_dim >= 128 else 2, 4
-
-
-def prepare_warps(k_dim: int, dtype: torch.dtype) -> int:
-    """``num_warps`` of the prepare kernel (gates, ``(I + A)^-1``, ``M``)."""
-    return 4
 
 
 # -------------------------------------------------------------------------------------------
@@ -318,7 +313,7 @@ def gdn_prepare(q, k, g, beta, cu_seqlens, layout):
         q, k, g, beta, gc, ai, aqk, scratch, spans, length,
         H=hv, HK=hk, K=dk, BT=CHUNK, BC=_SUB,
         IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(k.dtype),
-        num_warps=prepare_warps(dk, k.dtype),
+        num_warps=4,
     )
     return gc, ai, aqk
 

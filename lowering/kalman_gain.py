@@ -21,7 +21,7 @@ import torch
 import triton
 from torch.library import wrap_triton
 
-from kdn_compile.lowering._launch import chunk_owners
+from kdn_compile.lowering._launch import chunk_offsets, chunk_owners
 from kdn_compile.lowering.kalman_gain_bwd import (
     _kalman_gain_bwd_chunk_map_kernel,
     _kalman_gain_bwd_chunk_scan_kernel,
@@ -88,10 +88,9 @@ def _chunks(k, cu_seqlens):
         nt = triton.cdiv(length, CHUNK)
         return batch, nt, batch * nt, None, None
     n = cu_seqlens.shape[0] - 1
-    counts = (cu_seqlens[1:] - cu_seqlens[:-1] + CHUNK - 1) // CHUNK
-    offsets = torch.cat((counts.new_zeros(1), counts.cumsum(0))).to(torch.int32)
+    offsets = chunk_offsets(cu_seqlens, CHUNK)
     nc = triton.cdiv(length, CHUNK) + n
-    return n, 0, nc, chunk_owners(counts, nc).clamp_max(n - 1), offsets
+    return n, 0, nc, chunk_owners(offsets, nc).clamp_max(n - 1), offsets
 
 
 def _walk_args(length, nt, heads, key_dim, varlen, info_scale):

@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import chunk_owners, head_dims_verified, uncovered_inputs
+from ._launch import chunk_offsets, chunk_owners, uncovered_inputs
 
 BT = 64  # tokens per chunk (the only supported chunk size)
 BC = 16  # sub-block of the intra-chunk algebra (smallest tensor-core tile)
@@ -58,15 +58,20 @@ def two_key_kernel_supports(
     """Whether the Triton kernels handle these inputs (else use the reference).
 
     Needs CUDA (or the Triton interpreter on CPU), ``chunk_size == 64``,
-    fp16/bf16/fp32 inputs and key and value head sizes of
-    :func:`._launch.head_dims_verified` (64 or 128 for half inputs, powers of two
-    in ``[16, 128]`` for float32). Reads shapes and dtypes only.
+    fp16/bf16/fp32 inputs and key and value head sizes that were checked against
+    the float64 reference on the H200 (Triton 3.6, 2026-11-30): 64 or 128 for half
+    inputs, powers of two in ``[16, 128]`` for float32. The GDN kernels, with the
+    same tile shapes, failed at other half sizes until their launch configurations
+    were fixed (``benchmarks/diagnose_gdn.py``); these kernels were not swept.
+    Reads shapes and dtypes only.
     """
+    sizes = (16, 32, 64, 128) if q.dtype == torch.float32 else (64, 128)
     return (
         chunk_size == BT
         and q.dtype in _DTYPES
         and v.dtype == q.dtype
-        and head_dims_verified(q.dtype, q.shape[-1], v.shape[-1])
+        and q.shape[-1] in sizes
+        and v.shape[-1] in sizes
     )
 
 
@@ -102,9 +107,8 @@ def chunk_map(
     returns it, and a tensor that may hold a single element makes ``torch.export``
     guard on the sequence length (a contiguity check on the op's outputs).
     """
-    counts = (bounds[1:] - bounds[:-1] + (BT - 1)) // BT
-    first = torch.cat((counts.new_zeros(1), counts.cumsum(0))).to(torch.int32)
-    return chunk_owners(counts, num_chunks + 1), first
+    first = chunk_offsets(bounds, BT)
+    return chunk_owners(first, num_chunks + 1), first
 
 
 @triton.jit

@@ -198,7 +198,7 @@ def test_supports():
     assert not two_key_kernel_supports(q, torch.empty(1, 4, 2, 96), chunk_size=64)
     assert not two_key_kernel_supports(q.double(), torch.empty(1, 4, 2, 128).double(),
                                        chunk_size=64)
-    # half inputs: head sizes 64 and 128 only; float32 from 16 (see head_dims_verified)
+    # half inputs: head sizes 64 and 128 only; float32 from 16 (see two_key_kernel_supports)
     half = torch.empty(1, 4, 2, 32, dtype=torch.bfloat16)
     assert not two_key_kernel_supports(half, half, chunk_size=64)
     wide = torch.empty(1, 4, 2, 256, dtype=torch.float16)

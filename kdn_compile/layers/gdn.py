@@ -56,7 +56,10 @@ class GatedDeltaNet(nn.Module):
         ValueError: ``num_v_heads`` not a multiple of ``num_heads``, or a size
             (``hidden_size``, head counts and dims, ``chunk_size``, ``conv_size >= 2``) not a
             positive int.
-        ValueError (forward): ``x`` not ``[B, T, D]``, or a ``state`` entry not of the
+        ValueError (forward): ``x`` not ``[B, T, D]``, ``cu_seqlens`` with ``B != 1`` or
+            boundaries that do not start at 0, rise and end at ``T`` (checked before
+            the packed convolution; on CUDA or while compiling a device-side assert,
+            raised at the next synchronization), or a ``state`` entry not of the
             shape this layer returns for these rows (the message names it, e.g. ``state["conv"]``).
     """
 

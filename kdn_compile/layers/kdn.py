@@ -49,8 +49,11 @@ class DiagKDN(nn.Module):
 
     Raises:
         ValueError: a size (``hidden_size``, ``num_heads``, head dims, ``chunk_size``,
-            ``conv_size >= 2``) not a positive int.
-        ValueError (forward): ``x`` not ``[B, T, D]``, or a ``state`` entry not of the
+            ``conv_size >= 2``) not a positive int; a NaN or infinite ``info_scale``.
+        ValueError (forward): ``x`` not ``[B, T, D]``, ``cu_seqlens`` with ``B != 1`` or
+            boundaries that do not start at 0, rise and end at ``T`` (checked before
+            the packed convolution; on CUDA or while compiling a device-side assert,
+            raised at the next synchronization), or a ``state`` entry not of the
             shape this layer returns for these rows (the message names it, e.g. ``state["conv"]``).
     """
 

@@ -44,6 +44,12 @@ def _fresh(result):
     return tuple(_fresh(r) for r in result)
 
 
+def saved_placeholders(like: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:
+    """``n`` empty tensors in place of the saved outputs of a ``kdn::<name>`` op on a
+    branch that saves nothing (the reference, or a half that runs its reference math)."""
+    return tuple(like.new_empty(0) for _ in range(n))
+
+
 class FamilyOps:
     """The ops of one family and how its autograd is wired.
 

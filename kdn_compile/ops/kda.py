@@ -22,7 +22,7 @@ from torch import Tensor
 
 from kdn_compile import reference as ref
 from kdn_compile.ops._dispatch import TRITON, can_launch
-from kdn_compile.ops._registry import FamilyOps
+from kdn_compile.ops._registry import FamilyOps, saved_placeholders
 from kdn_compile.ops._shapes import empty_state
 
 if TRITON:  # else every op takes its reference (see _dispatch.TRITON)
@@ -113,7 +113,7 @@ def chunk_kda_op(
     o, final_state = torch.ops.kdn.chunk_kda_reference(
         q, k, v, g, beta, initial_state, cu_seqlens, chunk_size, scale, state_v_first
     )
-    return (o, final_state, *(q.new_empty(0) for _ in SAVED))
+    return (o, final_state, *saved_placeholders(q, len(SAVED)))
 
 
 @torch.library.triton_op("kdn::chunk_kda_bwd", mutates_args=())

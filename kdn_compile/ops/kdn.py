@@ -21,7 +21,7 @@ from torch import Tensor
 
 from kdn_compile import reference as ref
 from kdn_compile.ops._dispatch import TRITON, _tracing, can_launch
-from kdn_compile.ops._registry import FamilyOps
+from kdn_compile.ops._registry import FamilyOps, saved_placeholders
 from kdn_compile.ops.kda import SAVED as TWO_KEY_SAVED
 from kdn_compile.reference._common import segments, work_dtype
 
@@ -110,10 +110,6 @@ def _memory_decay(log_alpha: Tensor) -> Tensor:
 SAVED = ("gain", "chunk_cov", "final_cov") + TWO_KEY_SAVED
 
 
-def _placeholders(like: Tensor, n: int) -> tuple[Tensor, ...]:
-    return tuple(like.new_empty(0) for _ in range(n))
-
-
 @torch.library.triton_op("kdn::diag_kdn_memory_bwd", mutates_args=())
 def diag_kdn_memory_bwd_op(
     q: Tensor, k: Tensor, v: Tensor, log_alpha: Tensor, gain: Tensor, memory: Tensor,
@@ -153,7 +149,7 @@ def diag_kdn_op(
             q, k, v, log_alpha, omega, r, memory, precision, cu_seqlens, scale, info_scale,
             chunk_size,
         )
-        return (*found, *_placeholders(q, len(SAVED)))
+        return (*found, *saved_placeholders(q, len(SAVED)))
     gain, final_precision, chunk_cov, final_cov = kalman_gain_fwd(
         k, log_alpha, omega, r, precision, cu_seqlens, info_scale=info_scale)
     if _memory_kernels(q, v, chunk_size):
@@ -164,7 +160,7 @@ def diag_kdn_op(
     else:
         output, memory = _memory(q, k, v, log_alpha, gain, memory, cu_seqlens, scale,
                                  chunk_size)
-        two_key_saved = _placeholders(q, len(TWO_KEY_SAVED))
+        two_key_saved = saved_placeholders(q, len(TWO_KEY_SAVED))
     return (output, memory, final_precision, gain, chunk_cov, final_cov, *two_key_saved)
 
 
