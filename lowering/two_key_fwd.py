@@ -1,16 +1,19 @@
 """Forward of the two-key, per-key-decay chunked delta rule (KDA, Diag-KDN memory).
 
-Three launches (see :mod:`two_key_common` for the decay factoring and its bound):
+Four launches (see :mod:`two_key_common` for the decay factoring and its bound):
 
-1. ``_two_key_fwd_intra_kernel`` (one program per chunk and value head): the
-   in-chunk cumulative log decay ``c``; the strictly lower ``A[t, s] = sum_i
-   k_ti e^{c_ti - c_si} w_si`` and the lower ``R`` (``q`` in place of ``k``,
-   diagonal included); ``T = (I + A)^-1`` (16 x 16 forward substitutions, then
-   block products); ``Wk = T (k e^c)`` and ``U = T v``.
-2. ``_two_key_fwd_state_kernel`` (one program per sequence, value head and value
+1. ``_two_key_fwd_pairs_kernel`` (one program per chunk and value head, walking the
+   keys in 32-wide slices): the in-chunk cumulative log decay ``c`` and the decayed
+   keys ``q e^c``, ``k e^c``, ``w e^{c_last - c}`` (stored); the strictly lower
+   ``A[t, s] = sum_i k_ti e^{c_ti - c_si} w_si`` and the lower ``R`` (``q`` in place
+   of ``k``, diagonal included) as 16 x 16 register blocks; ``T = (I + A)^-1``
+   (nilpotent products on the diagonal blocks, then block products).
+2. ``_two_key_fwd_wu_kernel`` (one program per chunk and value head):
+   ``Wk = T (k e^c)`` and ``U = T v``.
+3. ``_two_key_fwd_state_kernel`` (one program per sequence, value head and value
    tile, sequential over chunks): ``X = U - Wk S``,
    ``S <- e^{c_last} S + (w e^{c_last - c})^T X``; saves each chunk's start state.
-3. ``_two_key_fwd_output_kernel`` (one program per chunk): ``o = scale((q e^c) S + R X)``.
+4. ``_two_key_fwd_output_kernel`` (one program per chunk): ``o = scale((q e^c) S + R X)``.
 
 Math source: the WY form of :func:`kdn_compile.reference.two_key_chunk_recurrence`.
 """
@@ -36,43 +39,64 @@ from kdn_compile.lowering.two_key_common import (
     require_two_key_kernels,
     sequence_bounds,
     store_block,
-    store_rows,
 )
 
 
 @triton.jit
-def _unit_lower_inverse(a_ptr, row0, m_r, i_h, col0, H: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
-    """``(I + L)^-1`` of the strictly lower ``[BC, BC]`` diagonal block at token ``row0``."""
-    return inv_unit_lower(load_block(a_ptr, row0, m_r, i_h, col0, H, BT, BC).to(tl.float32))
+def _row_of(b_x, r):
+    """Row ``r`` (relative, may lie outside the tile: zeros) of a register tile, as a vector."""
+    o_r = tl.arange(0, b_x.shape[0])
+    return tl.sum(tl.where(o_r[:, None] == r, b_x, 0.0), 0)
 
 
 @triton.jit
-def _diag_pair(b_ci, b_ki, b_qi, b_wi, o_i, m_i, last, c, i_h, half, t_blk,
-               Hv: tl.constexpr, K: tl.constexpr, BC: tl.constexpr, DOT_PREC: tl.constexpr):
-    """``(A, R)`` of a diagonal block restricted to the columns ``s`` of one half:
-    ``sum_i x_ti e^{c_ti - c_si} w_si`` for ``x = k`` and ``x = q``.
+def _load_tile(ptr, t, m_r, i_h, o_k, H: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr):
+    """Rows ``t + [0, ROWS)`` (valid where ``m_r``), columns ``o_k`` of head ``i_h`` of a
+    token-major ``[tokens, H, D]`` tensor, as float32 (zeros on invalid rows)."""
+    o_r = tl.arange(0, ROWS)
+    p = ptr + (t.to(tl.int64) * H + i_h) * D + (o_r[:, None] * (H * D) + o_k[None, :])
+    return tl.load(p, mask=m_r[:, None], other=0.0).to(tl.float32)
 
-    The factors are taken about the half's 4th token (clipped to the last valid one).
+
+@triton.jit
+def _store_tile(ptr, value, t, m_r, i_h, o_k, H: tl.constexpr, D: tl.constexpr,
+                ROWS: tl.constexpr):
+    o_r = tl.arange(0, ROWS)
+    p = ptr + (t.to(tl.int64) * H + i_h) * D + (o_r[:, None] * (H * D) + o_k[None, :])
+    tl.store(p, value.to(ptr.dtype.element_ty), mask=m_r[:, None])
+
+
+@triton.jit
+def _diag(b_k, b_q, b_w, b_c, m_r, nvalid, acc_a, acc_r, DOT_PREC: tl.constexpr):
+    """Add a diagonal block's ``sum_k x_tk e^{c_tk - c_sk} w_sk`` (``x = k``, ``q``) to
+    ``acc_a``, ``acc_r`` for ``s`` in or before ``t``'s half; the caller masks the rest.
+
+    Each half of ``BC // 2`` columns is factored about its 4th row (clipped to the
+    block's last valid row ``nvalid - 1``): exponents stay within ``4 * max|g|``
+    (:mod:`two_key_common`). Rows above a half take none of its columns.
     """
-    start = t_blk + half * (BC // 2)
-    r = tl.minimum(start + BC // 4 - 1, last)
-    b_cr = load_row(c, r, last + 1, i_h, Hv, K)
-    row_ok = m_i & (o_i >= start)
-    col_ok = row_ok & (o_i < start + BC // 2)
-    b_fr = tl.where(row_ok[:, None], tl.exp(b_ci - b_cr[None, :]), 0.0)
-    b_wc = tl.trans(tl.where(col_ok[:, None], b_wi * tl.exp(b_cr[None, :] - b_ci), 0.0))
-    return (tl.dot(b_ki * b_fr, b_wc, input_precision=DOT_PREC),
-            tl.dot(b_qi * b_fr, b_wc, input_precision=DOT_PREC))
+    BC: tl.constexpr = b_c.shape[0]
+    o_r = tl.arange(0, BC)
+    for half in tl.static_range(2):
+        start = half * (BC // 2)
+        b_cr = _row_of(b_c, tl.minimum(start + BC // 4 - 1, nvalid - 1))
+        row_ok = m_r & (o_r >= start)
+        col_ok = row_ok & (o_r < start + BC // 2)
+        b_f = tl.where(row_ok[:, None], tl.exp(b_c - b_cr[None, :]), 0.0)
+        b_wt = tl.trans(tl.where(col_ok[:, None], b_w * tl.exp(b_cr[None, :] - b_c), 0.0))
+        acc_a = tl.dot(b_k * b_f, b_wt, acc_a, input_precision=DOT_PREC)
+        acc_r = tl.dot(b_q * b_f, b_wt, acc_r, input_precision=DOT_PREC)
+    return acc_a, acc_r
 
 
 @triton.jit
-def _two_key_fwd_intra_kernel(
-    q, k, w, v, g, c, qd, kd, wl, ascr, tmat, rmat, wk, u,
+def _two_key_fwd_pairs_kernel(
+    q, k, w, g, c, qd, kd, wl, ascr, rmat,
     cu_seqlens, chunk_seq, chunk_first, N,
-    Hk: tl.constexpr, Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BT: tl.constexpr, BC: tl.constexpr, DOT_PREC: tl.constexpr,
+    Hk: tl.constexpr, Hv: tl.constexpr, K: tl.constexpr,
+    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
-    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    i_c, i_i, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_hk = i_h // (Hv // Hk)
     i_n = tl.load(chunk_seq + i_c)
     if i_n >= N:
@@ -81,80 +105,106 @@ def _two_key_fwd_intra_kernel(
     bos = tl.load(cu_seqlens + i_n).to(tl.int64)
     eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
     t0 = bos + (i_c - tl.load(chunk_first + i_n)).to(tl.int64) * BT
-    last = tl.minimum(t0 + BT, eos) - 1
+    ti = t0 + i_i * BC
+    if ti >= eos:
+        return
+    o_t = tl.arange(0, BT)
+    m_t = t0 + o_t < eos
+    o_r = tl.arange(0, BC)
+    m_r = ti + o_r < eos
+    # Row block i of A (strictly lower) and R (lower): the earlier blocks' columns in one
+    # product, factored about block i's first row (both factors at most 1 for any
+    # decay), and the diagonal block (see _diag). Each key slice also stores block i's
+    # c, q e^c, k e^c and w e^{c_last - c}.
+    acc_a = tl.zeros([BC, BT], dtype=tl.float32)
+    acc_r = tl.zeros([BC, BT], dtype=tl.float32)
+    d_a = tl.zeros([BC, BC], dtype=tl.float32)
+    d_r = tl.zeros([BC, BC], dtype=tl.float32)
+    for i_k in range(K // BK):
+        o_k = i_k * BK + tl.arange(0, BK)
+        # whole-chunk cumulative decay (rows past the end stay flat: their g loads as 0)
+        b_ct = tl.cumsum(_load_tile(g, t0, m_t, i_h, o_k, Hv, K, BT), axis=0)
+        b_cl = _row_of(b_ct, BT - 1)
+        b_c = tl.cumsum(_load_tile(g, ti, m_r, i_h, o_k, Hv, K, BC), axis=0)
+        b_c += _row_of(b_ct, i_i * BC - 1)[None, :]
+        b_k = _load_tile(k, ti, m_r, i_hk, o_k, Hk, K, BC)
+        b_q = _load_tile(q, ti, m_r, i_hk, o_k, Hk, K, BC)
+        b_w = _load_tile(w, ti, m_r, i_h, o_k, Hv, K, BC)
+        b_e = tl.exp(b_c)
+        _store_tile(c, b_c, ti, m_r, i_h, o_k, Hv, K, BC)
+        _store_tile(qd, b_q * b_e, ti, m_r, i_h, o_k, Hv, K, BC)
+        _store_tile(kd, b_k * b_e, ti, m_r, i_h, o_k, Hv, K, BC)
+        _store_tile(wl, b_w * tl.exp(b_cl[None, :] - b_c), ti, m_r, i_h, o_k, Hv, K, BC)
+        d_a, d_r = _diag(b_k, b_q, b_w, b_c, m_r, eos - ti, d_a, d_r, DOT_PREC)
+        if i_i > 0:
+            b_cf = _row_of(b_ct, i_i * BC)
+            b_f = tl.where(m_r[:, None], tl.exp(b_c - b_cf[None, :]), 0.0)
+            m_j = o_t < i_i * BC
+            b_wt = _load_tile(w, t0, m_j, i_h, o_k, Hv, K, BT)
+            b_wt = tl.trans(tl.where(m_j[:, None], b_wt * tl.exp(b_cf[None, :] - b_ct), 0.0))
+            acc_a = tl.dot(b_k * b_f, b_wt, acc_a, input_precision=DOT_PREC)
+            acc_r = tl.dot(b_q * b_f, b_wt, acc_r, input_precision=DOT_PREC)
+    below = o_r[:, None] > o_r[None, :]
+    # the earlier blocks' columns and zeros right of the diagonal block; then that block
+    m_off = (o_t < i_i * BC) | (o_t >= i_i * BC + BC)
+    _store_row_block(ascr, acc_a, ti, m_r, i_h, m_off, Hv, BT, BC)
+    _store_row_block(rmat, acc_r, ti, m_r, i_h, m_off, Hv, BT, BC)
+    store_block(ascr, tl.where(below, d_a, 0.0), ti, m_r, i_h, i_i * BC, Hv, BT, BC)
+    store_block(rmat, tl.where(below | (o_r[:, None] == o_r[None, :]), d_r, 0.0),
+                ti, m_r, i_h, i_i * BC, Hv, BT, BC)
 
-    # In-chunk cumulative log decay c and the decayed keys q e^c, k e^c,
-    # w e^{c_last - c}, stored for the later stages and read back below.
-    o_c = tl.arange(0, BC)
-    b_cl = tl.zeros([K], dtype=tl.float32)
-    for i in tl.static_range(BT // BC):
-        o_i = t0 + i * BC + o_c
-        m_i = o_i < eos
-        b_ci = tl.cumsum(load_rows(g, t0 + i * BC, o_c, m_i, i_h, Hv, K), axis=0) + b_cl[None, :]
-        b_cl = tl.sum(tl.where(o_c[:, None] == BC - 1, b_ci, 0.0), 0)
-        b_e = tl.where(m_i[:, None], tl.exp(b_ci), 0.0)
-        store_rows(c, b_ci, t0 + i * BC, o_c, m_i, i_h, Hv, K)
-        store_rows(qd, load_rows(q, t0 + i * BC, o_c, m_i, i_hk, Hk, K) * b_e, t0 + i * BC, o_c, m_i, i_h, Hv, K)
-        store_rows(kd, load_rows(k, t0 + i * BC, o_c, m_i, i_hk, Hk, K) * b_e, t0 + i * BC, o_c, m_i, i_h, Hv, K)
-    tl.debug_barrier()
-    for i in tl.static_range(BT // BC):
-        o_i = t0 + i * BC + o_c
-        m_i = o_i < eos
-        b_el = tl.where(m_i[:, None], tl.exp(b_cl[None, :] - load_rows(c, t0 + i * BC, o_c, m_i, i_h, Hv, K)), 0.0)
-        store_rows(wl, load_rows(w, t0 + i * BC, o_c, m_i, i_h, Hv, K) * b_el, t0 + i * BC, o_c, m_i, i_h, Hv, K)
 
-    # A (strictly lower, float32 scratch) and R (lower), block by block.
-    for i in tl.static_range(BT // BC):
-        o_i = t0 + i * BC + o_c
-        m_i = o_i < eos
-        b_ci = load_rows(c, t0 + i * BC, o_c, m_i, i_h, Hv, K)
-        b_ki = load_rows(k, t0 + i * BC, o_c, m_i, i_hk, Hk, K)
-        b_qi = load_rows(q, t0 + i * BC, o_c, m_i, i_hk, Hk, K)
-        for j in tl.static_range(BT // BC):
-            o_j = t0 + j * BC + o_c
-            if j < i:
-                m_j = o_j < eos
-                b = tl.minimum(t0 + j * BC + BC - 1, last)
-                b_cb = load_row(c, b, eos, i_h, Hv, K)
-                b_wj = load_rows(w, t0 + j * BC, o_c, m_j, i_h, Hv, K)
-                b_cj = load_rows(c, t0 + j * BC, o_c, m_j, i_h, Hv, K)
-                b_wc = tl.where(m_j[:, None], b_wj * tl.exp(b_cb[None, :] - b_cj), 0.0)
-                b_fr = tl.where(m_i[:, None], tl.exp(b_ci - b_cb[None, :]), 0.0)
-                b_a = tl.dot(b_ki * b_fr, tl.trans(b_wc), input_precision=DOT_PREC)
-                b_r = tl.dot(b_qi * b_fr, tl.trans(b_wc), input_precision=DOT_PREC)
-            elif j == i:
-                b_wi = load_rows(w, t0 + i * BC, o_c, m_i, i_h, Hv, K)
-                b_a, b_r = _diag_pair(b_ci, b_ki, b_qi, b_wi, o_i, m_i, last, c, i_h, 0,
-                                      t0 + i * BC, Hv, K, BC, DOT_PREC)
-                b_a1, b_r1 = _diag_pair(b_ci, b_ki, b_qi, b_wi, o_i, m_i, last, c, i_h, 1,
-                                        t0 + i * BC, Hv, K, BC, DOT_PREC)
-                b_a += b_a1
-                b_r += b_r1
-                b_a = tl.where(o_i[:, None] > o_j[None, :], b_a, 0.0)
-                b_r = tl.where(o_i[:, None] >= o_j[None, :], b_r, 0.0)
-            else:
-                b_a = tl.zeros([BC, BC], dtype=tl.float32)
-                b_r = tl.zeros([BC, BC], dtype=tl.float32)
-            store_block(ascr, b_a, t0 + i * BC, m_i, i_h, j * BC, Hv, BT, BC)
-            store_block(rmat, b_r, t0 + i * BC, m_i, i_h, j * BC, Hv, BT, BC)
-    tl.debug_barrier()
+@triton.jit
+def _store_row_block(ptr, acc, t, m_r, i_h, m_cols, H: tl.constexpr, BT: tl.constexpr,
+                     BC: tl.constexpr):
+    """Store the columns ``m_cols`` of a ``[BC, BT]`` row block of a chunk matrix."""
+    o_r = tl.arange(0, BC)
+    o_t = tl.arange(0, BT)
+    p = ptr + (t.to(tl.int64) * H + i_h) * BT + (o_r[:, None] * (H * BT) + o_t[None, :])
+    tl.store(p, acc.to(ptr.dtype.element_ty), mask=m_r[:, None] & m_cols[None, :])
 
-    # T = (I + A)^-1: diagonal blocks by substitution, the rest by block products.
-    o_0 = t0 + o_c
-    o_1 = o_0 + BC
-    o_2 = o_1 + BC
-    o_3 = o_2 + BC
-    m_0, m_1, m_2, m_3 = o_0 < eos, o_1 < eos, o_2 < eos, o_3 < eos
-    t00 = _unit_lower_inverse(ascr, t0 + 0 * BC, m_0, i_h, 0, Hv, BT, BC)
-    t11 = _unit_lower_inverse(ascr, t0 + 1 * BC, m_1, i_h, BC, Hv, BT, BC)
-    t22 = _unit_lower_inverse(ascr, t0 + 2 * BC, m_2, i_h, 2 * BC, Hv, BT, BC)
-    t33 = _unit_lower_inverse(ascr, t0 + 3 * BC, m_3, i_h, 3 * BC, Hv, BT, BC)
-    a10 = load_block(ascr, t0 + 1 * BC, m_1, i_h, 0, Hv, BT, BC)
-    a20 = load_block(ascr, t0 + 2 * BC, m_2, i_h, 0, Hv, BT, BC)
-    a21 = load_block(ascr, t0 + 2 * BC, m_2, i_h, BC, Hv, BT, BC)
-    a30 = load_block(ascr, t0 + 3 * BC, m_3, i_h, 0, Hv, BT, BC)
-    a31 = load_block(ascr, t0 + 3 * BC, m_3, i_h, BC, Hv, BT, BC)
-    a32 = load_block(ascr, t0 + 3 * BC, m_3, i_h, 2 * BC, Hv, BT, BC)
+
+@triton.jit
+def _store_blocks(ptr, b0, b1, b2, b3, t, m_r, i_h, H: tl.constexpr, BT: tl.constexpr,
+                  BC: tl.constexpr):
+    """Store one row of four ``[BC, BC]`` blocks of a chunk matrix."""
+    store_block(ptr, b0, t, m_r, i_h, 0, H, BT, BC)
+    store_block(ptr, b1, t, m_r, i_h, BC, H, BT, BC)
+    store_block(ptr, b2, t, m_r, i_h, 2 * BC, H, BT, BC)
+    store_block(ptr, b3, t, m_r, i_h, 3 * BC, H, BT, BC)
+
+
+@triton.jit
+def _two_key_fwd_solve_kernel(
+    ascr, kd, v, tmat, wk, u,
+    cu_seqlens, chunk_seq, chunk_first, N,
+    Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    """``T = (I + A)^-1`` (stored), then ``Wk = T (k e^c)`` and ``U = T v``."""
+    tl.static_assert(BT == 4 * BC)
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    i_n = tl.load(chunk_seq + i_c)
+    if i_n >= N:
+        return
+    # index loads in the kernel body, not a helper: see _launch.py on mutation analysis
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    t0 = bos + (i_c - tl.load(chunk_first + i_n)).to(tl.int64) * BT
+    t1, t2, t3 = t0 + BC, t0 + 2 * BC, t0 + 3 * BC
+    o_r = tl.arange(0, BC)
+    m_0, m_1, m_2, m_3 = t0 + o_r < eos, t1 + o_r < eos, t2 + o_r < eos, t3 + o_r < eos
+    # diagonal blocks: nilpotent products; below them: block products (all exact fp32)
+    t00 = inv_unit_lower(load_block(ascr, t0, m_0, i_h, 0, Hv, BT, BC))
+    t11 = inv_unit_lower(load_block(ascr, t1, m_1, i_h, BC, Hv, BT, BC))
+    t22 = inv_unit_lower(load_block(ascr, t2, m_2, i_h, 2 * BC, Hv, BT, BC))
+    t33 = inv_unit_lower(load_block(ascr, t3, m_3, i_h, 3 * BC, Hv, BT, BC))
+    a10 = load_block(ascr, t1, m_1, i_h, 0, Hv, BT, BC)
+    a20 = load_block(ascr, t2, m_2, i_h, 0, Hv, BT, BC)
+    a21 = load_block(ascr, t2, m_2, i_h, BC, Hv, BT, BC)
+    a30 = load_block(ascr, t3, m_3, i_h, 0, Hv, BT, BC)
+    a31 = load_block(ascr, t3, m_3, i_h, BC, Hv, BT, BC)
+    a32 = load_block(ascr, t3, m_3, i_h, 2 * BC, Hv, BT, BC)
     t10 = -tl.dot(t11, tl.dot(a10, t00, input_precision="ieee"), input_precision="ieee")
     t21 = -tl.dot(t22, tl.dot(a21, t11, input_precision="ieee"), input_precision="ieee")
     t20 = -tl.dot(
@@ -176,55 +226,24 @@ def _two_key_fwd_intra_kernel(
         input_precision="ieee",
     )
     b_zero = tl.zeros([BC, BC], dtype=tl.float32)
-    store_block(tmat, t00, t0 + 0 * BC, m_0, i_h, 0, Hv, BT, BC)
-    store_block(tmat, b_zero, t0 + 0 * BC, m_0, i_h, BC, Hv, BT, BC)
-    store_block(tmat, t10, t0 + 1 * BC, m_1, i_h, 0, Hv, BT, BC)
-    store_block(tmat, t11, t0 + 1 * BC, m_1, i_h, BC, Hv, BT, BC)
-    store_block(tmat, t20, t0 + 2 * BC, m_2, i_h, 0, Hv, BT, BC)
-    store_block(tmat, t21, t0 + 2 * BC, m_2, i_h, BC, Hv, BT, BC)
-    store_block(tmat, t22, t0 + 2 * BC, m_2, i_h, 2 * BC, Hv, BT, BC)
-    store_block(tmat, t30, t0 + 3 * BC, m_3, i_h, 0, Hv, BT, BC)
-    store_block(tmat, t31, t0 + 3 * BC, m_3, i_h, BC, Hv, BT, BC)
-    store_block(tmat, t32, t0 + 3 * BC, m_3, i_h, 2 * BC, Hv, BT, BC)
-    store_block(tmat, t33, t0 + 3 * BC, m_3, i_h, 3 * BC, Hv, BT, BC)
-    for j in tl.static_range(2, BT // BC):
-        store_block(tmat, b_zero, t0 + 0 * BC, m_0, i_h, j * BC, Hv, BT, BC)
-    for j in tl.static_range(2, BT // BC):
-        store_block(tmat, b_zero, t0 + 1 * BC, m_1, i_h, j * BC, Hv, BT, BC)
-    store_block(tmat, b_zero, t0 + 2 * BC, m_2, i_h, 3 * BC, Hv, BT, BC)
+    _store_blocks(tmat, t00, b_zero, b_zero, b_zero, t0, m_0, i_h, Hv, BT, BC)
+    _store_blocks(tmat, t10, t11, b_zero, b_zero, t1, m_1, i_h, Hv, BT, BC)
+    _store_blocks(tmat, t20, t21, t22, b_zero, t2, m_2, i_h, Hv, BT, BC)
+    _store_blocks(tmat, t30, t31, t32, t33, t3, m_3, i_h, Hv, BT, BC)
+    tl.debug_barrier()
 
-    # Wk = T (k e^c), U = T v, block rows.
-    _block_row_product(wk, kd, t00, t00, t00, t00, eos, t0, i_h, 1, Hv, K, BC, DOT_PREC)
-    _block_row_product(wk, kd, t10, t11, t11, t11, eos, t0, i_h, 2, Hv, K, BC, DOT_PREC)
-    _block_row_product(wk, kd, t20, t21, t22, t22, eos, t0, i_h, 3, Hv, K, BC, DOT_PREC)
-    _block_row_product(wk, kd, t30, t31, t32, t33, eos, t0, i_h, 4, Hv, K, BC, DOT_PREC)
-    _block_row_product(u, v, t00, t00, t00, t00, eos, t0, i_h, 1, Hv, V, BC, DOT_PREC)
-    _block_row_product(u, v, t10, t11, t11, t11, eos, t0, i_h, 2, Hv, V, BC, DOT_PREC)
-    _block_row_product(u, v, t20, t21, t22, t22, eos, t0, i_h, 3, Hv, V, BC, DOT_PREC)
-    _block_row_product(u, v, t30, t31, t32, t33, eos, t0, i_h, 4, Hv, V, BC, DOT_PREC)
-
-
-@triton.jit
-def _block_row_product(out, src, t_0, t_1, t_2, t_3, eos, t0, i_h, NB: tl.constexpr,
-                       Hv: tl.constexpr, D: tl.constexpr, BC: tl.constexpr, DOT_PREC: tl.constexpr):
-    """Store at block row ``NB - 1`` of the chunk: ``sum_{j < NB} t_j @ src_j``.
-
-    ``src_j`` is the j-th 16-row block of the chunk starting at token ``t0``.
-    """
-    o_c = tl.arange(0, BC)
-    b_acc = tl.dot(t_0, load_rows(src, t0, o_c, t0 + o_c < eos, i_h, Hv, D),
-                   input_precision=DOT_PREC)
-    if NB > 1:
-        b_acc += tl.dot(t_1, load_rows(src, t0 + BC, o_c, t0 + BC + o_c < eos, i_h, Hv, D),
-                        input_precision=DOT_PREC)
-    if NB > 2:
-        b_acc += tl.dot(t_2, load_rows(src, t0 + 2 * BC, o_c, t0 + 2 * BC + o_c < eos, i_h, Hv, D),
-                        input_precision=DOT_PREC)
-    if NB > 3:
-        b_acc += tl.dot(t_3, load_rows(src, t0 + 3 * BC, o_c, t0 + 3 * BC + o_c < eos, i_h, Hv, D),
-                        input_precision=DOT_PREC)
-    t_row = t0 + (NB - 1) * BC
-    store_rows(out, b_acc, t_row, o_c, t_row + o_c < eos, i_h, Hv, D)
+    # T back as one [BT, BT] tile in its stored dtype (what the backward reads)
+    o_t = tl.arange(0, BT)
+    m_t = t0 + o_t < eos
+    b_t = _load_tile(tmat, t0, m_t, i_h, o_t, Hv, BT, BT).to(kd.dtype.element_ty)
+    for i_d in tl.static_range(K // BD):
+        o_d = i_d * BD + tl.arange(0, BD)
+        b_x = _load_tile(kd, t0, m_t, i_h, o_d, Hv, K, BT).to(kd.dtype.element_ty)
+        _store_tile(wk, tl.dot(b_t, b_x, input_precision=DOT_PREC), t0, m_t, i_h, o_d, Hv, K, BT)
+    for i_d in tl.static_range(V // BD):
+        o_d = i_d * BD + tl.arange(0, BD)
+        b_x = _load_tile(v, t0, m_t, i_h, o_d, Hv, V, BT).to(kd.dtype.element_ty)
+        _store_tile(u, tl.dot(b_t, b_x, input_precision=DOT_PREC), t0, m_t, i_h, o_d, Hv, V, BT)
 
 
 @triton.jit
@@ -379,14 +398,17 @@ def two_key_fwd(
     s_k, s_v = (1, key_dim) if state_v_first else (value_dim, 1)
     h0 = initial_state.contiguous() if initial_state is not None else final_state
 
-    wrap_triton(_two_key_fwd_intra_kernel)[(num_chunks, hv)](
-        qf, kf, wf, vf, gf, c, qd, kd, wl, ascr, tmat, rmat, wk, u,
+    wrap_triton(_two_key_fwd_pairs_kernel)[(num_chunks, BT // BC, hv)](
+        qf, kf, wf, gf, c, qd, kd, wl, ascr, rmat,
         bounds, chunk_seq, chunk_first, num_seqs,
-        Hk=hk, Hv=hv, K=key_dim, V=value_dim, BT=BT, BC=BC, DOT_PREC=prec,
-        # 8 warps: 232 registers and no spill (ptxas, sm_90, bf16, K=V=128) where 4
-        # warps spilled; with 4 warps and a 16-step substitution per diagonal block
-        # this kernel took 4.5 of 5.3 ms of the forward at 8x4096x16 on the H200.
-        num_warps=8, num_stages=2,
+        Hk=hk, Hv=hv, K=key_dim, BT=BT, BC=BC, BK=min(32, key_dim), DOT_PREC=prec,
+        num_warps=4, num_stages=1,
+    )
+    wrap_triton(_two_key_fwd_solve_kernel)[(num_chunks, hv)](
+        ascr, kd, vf, tmat, wk, u,
+        bounds, chunk_seq, chunk_first, num_seqs,
+        Hv=hv, K=key_dim, V=value_dim, BT=BT, BC=BC, BD=min(64, key_dim, value_dim),
+        DOT_PREC=prec, num_warps=4, num_stages=1,
     )
     block_v = min(64, value_dim)
     # 32-wide value tiles: twice the programs of 64 for the sequential pass and
