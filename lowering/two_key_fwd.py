@@ -42,6 +42,10 @@ from kdn_compile.lowering.two_key_common import (
 )
 
 
+# Launch configuration of the pairs kernel (``benchmarks/tune_two_key_fwd.py`` times others).
+PAIRS_LAUNCH = {"BK": 32, "num_warps": 4, "num_stages": 1}
+
+
 @triton.jit
 def _row_of(b_x, r):
     """Row ``r`` (relative, may lie outside the tile: zeros) of a register tile, as a vector."""
@@ -67,31 +71,57 @@ def _store_tile(ptr, value, t, m_r, i_h, o_k, H: tl.constexpr, D: tl.constexpr,
 
 
 @triton.jit
-def _diag(b_k, b_q, b_w, b_c, m_r, nvalid, acc_a, acc_r, DOT_PREC: tl.constexpr):
-    """Add a diagonal block's ``sum_k x_tk e^{c_tk - c_sk} w_sk`` (``x = k``, ``q``) to
-    ``acc_a``, ``acc_r`` for ``s`` in or before ``t``'s half; the caller masks the rest.
+def _two_key_fwd_decay_kernel(
+    q, k, w, g, c, qd, kd, wl,
+    cu_seqlens, chunk_seq, chunk_first, N,
+    Hk: tl.constexpr, Hv: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+):
+    """The in-chunk cumulative log decay ``c`` and ``q e^c``, ``k e^c``, ``w e^{c_last - c}``
+    of one chunk, key slice and value head."""
+    i_c, i_k, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_hk = i_h // (Hv // Hk)
+    i_n = tl.load(chunk_seq + i_c)
+    if i_n >= N:
+        return
+    # index loads in the kernel body, not a helper: see _launch.py on mutation analysis
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    t0 = bos + (i_c - tl.load(chunk_first + i_n)).to(tl.int64) * BT
+    m_t = t0 + tl.arange(0, BT) < eos
+    o_k = i_k * BK + tl.arange(0, BK)
+    # rows past the sequence end load g = 0: c stays flat there, so its last row is c_last
+    b_c = tl.cumsum(_load_tile(g, t0, m_t, i_h, o_k, Hv, K, BT), axis=0)
+    b_e = tl.exp(b_c)
+    _store_tile(c, b_c, t0, m_t, i_h, o_k, Hv, K, BT)
+    _store_tile(qd, _load_tile(q, t0, m_t, i_hk, o_k, Hk, K, BT) * b_e, t0, m_t, i_h, o_k, Hv, K, BT)
+    _store_tile(kd, _load_tile(k, t0, m_t, i_hk, o_k, Hk, K, BT) * b_e, t0, m_t, i_h, o_k, Hv, K, BT)
+    b_el = tl.exp(_row_of(b_c, BT - 1)[None, :] - b_c)
+    _store_tile(wl, _load_tile(w, t0, m_t, i_h, o_k, Hv, K, BT) * b_el, t0, m_t, i_h, o_k, Hv, K, BT)
 
-    Each half of ``BC // 2`` columns is factored about its 4th row (clipped to the
-    block's last valid row ``nvalid - 1``): exponents stay within ``4 * max|g|``
-    (:mod:`two_key_common`). Rows above a half take none of its columns.
+
+@triton.jit
+def _diag_half(b_k, b_q, b_w, b_c, b_cr, m_r, start, acc_a, acc_r, DOT_PREC: tl.constexpr):
+    """Add a diagonal block's ``sum_k x_tk e^{c_tk - c_sk} w_sk`` (``x = k``, ``q``) over the
+    half of its columns from ``start`` to ``acc_a``, ``acc_r`` (rows at or below
+    ``start``; the caller masks the upper triangle).
+
+    Factored about ``b_cr``, the ``c`` of the half's 4th row (clipped to the last valid
+    one): exponents stay within ``4 * max|g|`` (:mod:`two_key_common`).
     """
     BC: tl.constexpr = b_c.shape[0]
     o_r = tl.arange(0, BC)
-    for half in tl.static_range(2):
-        start = half * (BC // 2)
-        b_cr = _row_of(b_c, tl.minimum(start + BC // 4 - 1, nvalid - 1))
-        row_ok = m_r & (o_r >= start)
-        col_ok = row_ok & (o_r < start + BC // 2)
-        b_f = tl.where(row_ok[:, None], tl.exp(b_c - b_cr[None, :]), 0.0)
-        b_wt = tl.trans(tl.where(col_ok[:, None], b_w * tl.exp(b_cr[None, :] - b_c), 0.0))
-        acc_a = tl.dot(b_k * b_f, b_wt, acc_a, input_precision=DOT_PREC)
-        acc_r = tl.dot(b_q * b_f, b_wt, acc_r, input_precision=DOT_PREC)
+    row_ok = m_r & (o_r >= start)
+    col_ok = row_ok & (o_r < start + BC // 2)
+    b_f = tl.where(row_ok[:, None], tl.exp(b_c - b_cr[None, :]), 0.0)
+    b_wt = tl.trans(tl.where(col_ok[:, None], b_w * tl.exp(b_cr[None, :] - b_c), 0.0))
+    acc_a = tl.dot(b_k * b_f, b_wt, acc_a, input_precision=DOT_PREC)
+    acc_r = tl.dot(b_q * b_f, b_wt, acc_r, input_precision=DOT_PREC)
     return acc_a, acc_r
 
 
 @triton.jit
 def _two_key_fwd_pairs_kernel(
-    q, k, w, g, c, qd, kd, wl, ascr, rmat,
+    q, k, w, c, ascr, rmat,
     cu_seqlens, chunk_seq, chunk_first, N,
     Hk: tl.constexpr, Hv: tl.constexpr, K: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, DOT_PREC: tl.constexpr,
@@ -109,37 +139,32 @@ def _two_key_fwd_pairs_kernel(
     if ti >= eos:
         return
     o_t = tl.arange(0, BT)
-    m_t = t0 + o_t < eos
+    m_j = (o_t < i_i * BC) & (t0 + o_t < eos)
     o_r = tl.arange(0, BC)
     m_r = ti + o_r < eos
+    last = tl.minimum(ti + BC, eos) - 1
     # Row block i of A (strictly lower) and R (lower): the earlier blocks' columns in one
     # product, factored about block i's first row (both factors at most 1 for any
-    # decay), and the diagonal block (see _diag). Each key slice also stores block i's
-    # c, q e^c, k e^c and w e^{c_last - c}.
+    # decay), and the diagonal block (see _diag_half).
     acc_a = tl.zeros([BC, BT], dtype=tl.float32)
     acc_r = tl.zeros([BC, BT], dtype=tl.float32)
     d_a = tl.zeros([BC, BC], dtype=tl.float32)
     d_r = tl.zeros([BC, BC], dtype=tl.float32)
     for i_k in range(K // BK):
         o_k = i_k * BK + tl.arange(0, BK)
-        # whole-chunk cumulative decay (rows past the end stay flat: their g loads as 0)
-        b_ct = tl.cumsum(_load_tile(g, t0, m_t, i_h, o_k, Hv, K, BT), axis=0)
-        b_cl = _row_of(b_ct, BT - 1)
-        b_c = tl.cumsum(_load_tile(g, ti, m_r, i_h, o_k, Hv, K, BC), axis=0)
-        b_c += _row_of(b_ct, i_i * BC - 1)[None, :]
+        b_c = _load_tile(c, ti, m_r, i_h, o_k, Hv, K, BC)
         b_k = _load_tile(k, ti, m_r, i_hk, o_k, Hk, K, BC)
         b_q = _load_tile(q, ti, m_r, i_hk, o_k, Hk, K, BC)
         b_w = _load_tile(w, ti, m_r, i_h, o_k, Hv, K, BC)
-        b_e = tl.exp(b_c)
-        _store_tile(c, b_c, ti, m_r, i_h, o_k, Hv, K, BC)
-        _store_tile(qd, b_q * b_e, ti, m_r, i_h, o_k, Hv, K, BC)
-        _store_tile(kd, b_k * b_e, ti, m_r, i_h, o_k, Hv, K, BC)
-        _store_tile(wl, b_w * tl.exp(b_cl[None, :] - b_c), ti, m_r, i_h, o_k, Hv, K, BC)
-        d_a, d_r = _diag(b_k, b_q, b_w, b_c, m_r, eos - ti, d_a, d_r, DOT_PREC)
+        # the diagonal block, one half of its columns at a time
+        b_cr = tl.load(c + (tl.minimum(ti + BC // 4 - 1, last) * Hv + i_h) * K + o_k)
+        d_a, d_r = _diag_half(b_k, b_q, b_w, b_c, b_cr, m_r, 0, d_a, d_r, DOT_PREC)
+        b_cr = tl.load(c + (tl.minimum(ti + BC // 2 + BC // 4 - 1, last) * Hv + i_h) * K + o_k)
+        d_a, d_r = _diag_half(b_k, b_q, b_w, b_c, b_cr, m_r, BC // 2, d_a, d_r, DOT_PREC)
         if i_i > 0:
-            b_cf = _row_of(b_ct, i_i * BC)
+            b_cf = tl.load(c + (ti * Hv + i_h) * K + o_k)
             b_f = tl.where(m_r[:, None], tl.exp(b_c - b_cf[None, :]), 0.0)
-            m_j = o_t < i_i * BC
+            b_ct = _load_tile(c, t0, m_j, i_h, o_k, Hv, K, BT)
             b_wt = _load_tile(w, t0, m_j, i_h, o_k, Hv, K, BT)
             b_wt = tl.trans(tl.where(m_j[:, None], b_wt * tl.exp(b_cf[None, :] - b_ct), 0.0))
             acc_a = tl.dot(b_k * b_f, b_wt, acc_a, input_precision=DOT_PREC)
@@ -398,11 +423,17 @@ def two_key_fwd(
     s_k, s_v = (1, key_dim) if state_v_first else (value_dim, 1)
     h0 = initial_state.contiguous() if initial_state is not None else final_state
 
-    wrap_triton(_two_key_fwd_pairs_kernel)[(num_chunks, BT // BC, hv)](
-        qf, kf, wf, gf, c, qd, kd, wl, ascr, rmat,
+    wrap_triton(_two_key_fwd_decay_kernel)[(num_chunks, key_dim // min(64, key_dim), hv)](
+        qf, kf, wf, gf, c, qd, kd, wl,
         bounds, chunk_seq, chunk_first, num_seqs,
-        Hk=hk, Hv=hv, K=key_dim, BT=BT, BC=BC, BK=min(32, key_dim), DOT_PREC=prec,
-        num_warps=4, num_stages=1,
+        Hk=hk, Hv=hv, K=key_dim, BT=BT, BK=min(64, key_dim), num_warps=4, num_stages=1,
+    )
+    wrap_triton(_two_key_fwd_pairs_kernel)[(num_chunks, BT // BC, hv)](
+        qf, kf, wf, c, ascr, rmat,
+        bounds, chunk_seq, chunk_first, num_seqs,
+        Hk=hk, Hv=hv, K=key_dim, BT=BT, BC=BC, BK=min(PAIRS_LAUNCH["BK"], key_dim),
+        DOT_PREC=prec, num_warps=PAIRS_LAUNCH["num_warps"],
+        num_stages=PAIRS_LAUNCH["num_stages"],
     )
     wrap_triton(_two_key_fwd_solve_kernel)[(num_chunks, hv)](
         ascr, kd, vf, tmat, wk, u,
