@@ -9,9 +9,10 @@ chunk the pair weights ``exp(c_t - c_s)`` (``s <= t``, ``c`` the in-chunk
 cumulative log decay per key channel) enter tensor-core products only as
 factored operands, never as ``exp(+large)``:
 
-* between sub-blocks ``j < i`` the factors are taken about the last token ``b``
-  of block ``j``: ``exp(c_t - c_b) <= 1`` and ``exp(c_b - c_s) <= 1`` for any
-  decay (no bound needed);
+* between sub-blocks ``j < i`` the factors are taken about a token ``b`` between
+  them (the forward: the first token of block ``i``, for all earlier blocks at
+  once; the backward: the last token of block ``j``): ``exp(c_t - c_b) <= 1`` and
+  ``exp(c_b - c_s) <= 1`` for any decay (no bound needed);
 * inside a sub-block each half of 8 tokens uses its 4th token ``r`` as the
   reference: the largest exponent is ``4 * max|g|`` (3 tokens on the row side,
   4 on the column side).

@@ -43,7 +43,7 @@ from kdn_compile.lowering.two_key_common import (
 
 
 # Launch configuration of the pairs kernel (``benchmarks/tune_two_key_fwd.py`` times others).
-PAIRS_LAUNCH = {"BK": 16, "num_warps": 2, "num_stages": 1}
+PAIRS_LAUNCH = {"BK": 32, "num_warps": 4, "num_stages": 1}
 
 
 @triton.jit
