@@ -113,14 +113,20 @@ def chunk_map(
 
 
 @triton.jit
-def load_rows(ptr, t, o_r, m_r, i_h, H: tl.constexpr, D: tl.constexpr):
-    """Rows ``t + o_r`` of head ``i_h`` of a token-major ``[tokens, H, D]`` tensor, float32.
+def load_tile(ptr, t, o_r, m_r, i_h, o_d, H: tl.constexpr, D: tl.constexpr):
+    """Rows ``t + o_r`` (valid where ``m_r``, zeros elsewhere), columns ``o_d`` of head
+    ``i_h`` of a token-major ``[tokens, H, D]`` tensor, as float32.
 
     ``t`` is a scalar (64-bit offsets), ``o_r`` small relative rows (32-bit offsets).
     """
-    o_d = tl.arange(0, D)
     p = ptr + (t.to(tl.int64) * H + i_h) * D + (o_r[:, None] * (H * D) + o_d[None, :])
     return tl.load(p, mask=m_r[:, None], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def load_rows(ptr, t, o_r, m_r, i_h, H: tl.constexpr, D: tl.constexpr):
+    """:func:`load_tile` of every column."""
+    return load_tile(ptr, t, o_r, m_r, i_h, tl.arange(0, D), H, D)
 
 
 @triton.jit
@@ -132,10 +138,16 @@ def load_row(ptr, t, end, i_h, H: tl.constexpr, D: tl.constexpr):
 
 
 @triton.jit
-def store_rows(ptr, value, t, o_r, m_r, i_h, H: tl.constexpr, D: tl.constexpr):
-    o_d = tl.arange(0, D)
+def store_tile(ptr, value, t, o_r, m_r, i_h, o_d, H: tl.constexpr, D: tl.constexpr):
+    """Store ``value`` where :func:`load_tile` reads (rows ``m_r`` only)."""
     p = ptr + (t.to(tl.int64) * H + i_h) * D + (o_r[:, None] * (H * D) + o_d[None, :])
     tl.store(p, value.to(ptr.dtype.element_ty), mask=m_r[:, None])
+
+
+@triton.jit
+def store_rows(ptr, value, t, o_r, m_r, i_h, H: tl.constexpr, D: tl.constexpr):
+    """:func:`store_tile` of every column."""
+    store_tile(ptr, value, t, o_r, m_r, i_h, tl.arange(0, D), H, D)
 
 
 @triton.jit

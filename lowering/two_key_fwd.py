@@ -35,10 +35,12 @@ from kdn_compile.lowering.two_key_common import (
     load_block,
     load_row,
     load_rows,
+    load_tile,
     num_chunks_bound,
     require_two_key_kernels,
     sequence_bounds,
     store_block,
+    store_tile,
 )
 
 
@@ -51,23 +53,6 @@ def _row_of(b_x, r):
     """Row ``r`` (relative, may lie outside the tile: zeros) of a register tile, as a vector."""
     o_r = tl.arange(0, b_x.shape[0])
     return tl.sum(tl.where(o_r[:, None] == r, b_x, 0.0), 0)
-
-
-@triton.jit
-def _load_tile(ptr, t, m_r, i_h, o_k, H: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr):
-    """Rows ``t + [0, ROWS)`` (valid where ``m_r``), columns ``o_k`` of head ``i_h`` of a
-    token-major ``[tokens, H, D]`` tensor, as float32 (zeros on invalid rows)."""
-    o_r = tl.arange(0, ROWS)
-    p = ptr + (t.to(tl.int64) * H + i_h) * D + (o_r[:, None] * (H * D) + o_k[None, :])
-    return tl.load(p, mask=m_r[:, None], other=0.0).to(tl.float32)
-
-
-@triton.jit
-def _store_tile(ptr, value, t, m_r, i_h, o_k, H: tl.constexpr, D: tl.constexpr,
-                ROWS: tl.constexpr):
-    o_r = tl.arange(0, ROWS)
-    p = ptr + (t.to(tl.int64) * H + i_h) * D + (o_r[:, None] * (H * D) + o_k[None, :])
-    tl.store(p, value.to(ptr.dtype.element_ty), mask=m_r[:, None])
 
 
 @triton.jit
@@ -87,16 +72,17 @@ def _two_key_fwd_decay_kernel(
     bos = tl.load(cu_seqlens + i_n).to(tl.int64)
     eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
     t0 = bos + (i_c - tl.load(chunk_first + i_n)).to(tl.int64) * BT
-    m_t = t0 + tl.arange(0, BT) < eos
+    o_t = tl.arange(0, BT)
+    m_t = t0 + o_t < eos
     o_k = i_k * BK + tl.arange(0, BK)
     # rows past the sequence end load g = 0: c stays flat there, so its last row is c_last
-    b_c = tl.cumsum(_load_tile(g, t0, m_t, i_h, o_k, Hv, K, BT), axis=0)
+    b_c = tl.cumsum(load_tile(g, t0, o_t, m_t, i_h, o_k, Hv, K), axis=0)
     b_e = tl.exp(b_c)
-    _store_tile(c, b_c, t0, m_t, i_h, o_k, Hv, K, BT)
-    _store_tile(qd, _load_tile(q, t0, m_t, i_hk, o_k, Hk, K, BT) * b_e, t0, m_t, i_h, o_k, Hv, K, BT)
-    _store_tile(kd, _load_tile(k, t0, m_t, i_hk, o_k, Hk, K, BT) * b_e, t0, m_t, i_h, o_k, Hv, K, BT)
+    store_tile(c, b_c, t0, o_t, m_t, i_h, o_k, Hv, K)
+    store_tile(qd, load_tile(q, t0, o_t, m_t, i_hk, o_k, Hk, K) * b_e, t0, o_t, m_t, i_h, o_k, Hv, K)
+    store_tile(kd, load_tile(k, t0, o_t, m_t, i_hk, o_k, Hk, K) * b_e, t0, o_t, m_t, i_h, o_k, Hv, K)
     b_el = tl.exp(_row_of(b_c, BT - 1)[None, :] - b_c)
-    _store_tile(wl, _load_tile(w, t0, m_t, i_h, o_k, Hv, K, BT) * b_el, t0, m_t, i_h, o_k, Hv, K, BT)
+    store_tile(wl, load_tile(w, t0, o_t, m_t, i_h, o_k, Hv, K) * b_el, t0, o_t, m_t, i_h, o_k, Hv, K)
 
 
 @triton.jit
@@ -152,10 +138,10 @@ def _two_key_fwd_pairs_kernel(
     d_r = tl.zeros([BC, BC], dtype=tl.float32)
     for i_k in range(K // BK):
         o_k = i_k * BK + tl.arange(0, BK)
-        b_c = _load_tile(c, ti, m_r, i_h, o_k, Hv, K, BC)
-        b_k = _load_tile(k, ti, m_r, i_hk, o_k, Hk, K, BC)
-        b_q = _load_tile(q, ti, m_r, i_hk, o_k, Hk, K, BC)
-        b_w = _load_tile(w, ti, m_r, i_h, o_k, Hv, K, BC)
+        b_c = load_tile(c, ti, o_r, m_r, i_h, o_k, Hv, K)
+        b_k = load_tile(k, ti, o_r, m_r, i_hk, o_k, Hk, K)
+        b_q = load_tile(q, ti, o_r, m_r, i_hk, o_k, Hk, K)
+        b_w = load_tile(w, ti, o_r, m_r, i_h, o_k, Hv, K)
         # the diagonal block, one half of its columns at a time
         b_cr = tl.load(c + (tl.minimum(ti + BC // 4 - 1, last) * Hv + i_h) * K + o_k)
         d_a, d_r = _diag_half(b_k, b_q, b_w, b_c, b_cr, m_r, 0, d_a, d_r, DOT_PREC)
@@ -164,8 +150,8 @@ def _two_key_fwd_pairs_kernel(
         if i_i > 0:
             b_cf = tl.load(c + (ti * Hv + i_h) * K + o_k)
             b_f = tl.where(m_r[:, None], tl.exp(b_c - b_cf[None, :]), 0.0)
-            b_ct = _load_tile(c, t0, m_j, i_h, o_k, Hv, K, BT)
-            b_wt = _load_tile(w, t0, m_j, i_h, o_k, Hv, K, BT)
+            b_ct = load_tile(c, t0, o_t, m_j, i_h, o_k, Hv, K)
+            b_wt = load_tile(w, t0, o_t, m_j, i_h, o_k, Hv, K)
             b_wt = tl.trans(tl.where(m_j[:, None], b_wt * tl.exp(b_cf[None, :] - b_ct), 0.0))
             acc_a = tl.dot(b_k * b_f, b_wt, acc_a, input_precision=DOT_PREC)
             acc_r = tl.dot(b_q * b_f, b_wt, acc_r, input_precision=DOT_PREC)
@@ -260,15 +246,15 @@ def _two_key_fwd_solve_kernel(
     # T back as one [BT, BT] tile in its stored dtype (what the backward reads)
     o_t = tl.arange(0, BT)
     m_t = t0 + o_t < eos
-    b_t = _load_tile(tmat, t0, m_t, i_h, o_t, Hv, BT, BT).to(kd.dtype.element_ty)
+    b_t = load_tile(tmat, t0, o_t, m_t, i_h, o_t, Hv, BT).to(kd.dtype.element_ty)
     for i_d in tl.static_range(K // BD):
         o_d = i_d * BD + tl.arange(0, BD)
-        b_x = _load_tile(kd, t0, m_t, i_h, o_d, Hv, K, BT).to(kd.dtype.element_ty)
-        _store_tile(wk, tl.dot(b_t, b_x, input_precision=DOT_PREC), t0, m_t, i_h, o_d, Hv, K, BT)
+        b_x = load_tile(kd, t0, o_t, m_t, i_h, o_d, Hv, K).to(kd.dtype.element_ty)
+        store_tile(wk, tl.dot(b_t, b_x, input_precision=DOT_PREC), t0, o_t, m_t, i_h, o_d, Hv, K)
     for i_d in tl.static_range(V // BD):
         o_d = i_d * BD + tl.arange(0, BD)
-        b_x = _load_tile(v, t0, m_t, i_h, o_d, Hv, V, BT).to(kd.dtype.element_ty)
-        _store_tile(u, tl.dot(b_t, b_x, input_precision=DOT_PREC), t0, m_t, i_h, o_d, Hv, V, BT)
+        b_x = load_tile(v, t0, o_t, m_t, i_h, o_d, Hv, V).to(kd.dtype.element_ty)
+        store_tile(u, tl.dot(b_t, b_x, input_precision=DOT_PREC), t0, o_t, m_t, i_h, o_d, Hv, V)
 
 
 @triton.jit
