@@ -7,16 +7,19 @@ Per chunk, with start state ``S0``, end-state gradient ``dS1`` and the forward's
     dS0 = e^{c_last} dS1 + scale (q e^c)^T do - (k e^c)^T dY
     dA  = -strict(dY X^T),   dR = scale lower(do X^T)
 
-Two launches:
+Four launches:
 
 1. ``_two_key_bwd_state_kernel`` (sequential over chunks, backwards): ``dY`` and
    each chunk's end-state gradient ``dS1``; ``dh0`` at the end.
-2. ``_two_key_bwd_intra_kernel`` (one program per chunk, key tile and value
-   head): ``dA``, ``dR`` and the state terms, the pair terms through the same
-   factored sub-block products as the forward (see :mod:`two_key_common`), then
-   ``dlog_decay`` as the reverse in-chunk cumulative sum of
-   ``dc = q dq_pair + k dk_pair - w dw_pair + (q e^c) dq_state + (k e^c) dk_state
-   - (w e^{c_last - c}) dw_state``, plus the whole-chunk terms of ``c_last``.
+2. ``_two_key_bwd_pair_kernel`` (one program per chunk): ``dA`` and ``dR``.
+3. ``_two_key_bwd_rows_kernel`` (one program per chunk, 16-row block, key slice and
+   value head): ``dq``, ``dk``, ``dw`` from the pair terms (the earlier blocks' columns
+   and the later blocks' rows each in one product, the diagonal block in halves; see
+   :mod:`two_key_common` for the factoring) and the state terms, and
+   ``dc = q dq + k dk - w dw``.
+4. ``_two_key_bwd_decay_kernel`` (one program per chunk, key slice and value head):
+   ``dlog_decay`` as the reverse in-chunk cumulative sum of ``dc``, plus the
+   whole-chunk terms of ``c_last``.
 """
 
 from __future__ import annotations
@@ -34,9 +37,11 @@ from kdn_compile.lowering.two_key_common import (
     load_block,
     load_row,
     load_rows,
+    load_tile,
     require_two_key_kernels,
     sequence_bounds,
     store_rows,
+    store_tile,
 )
 
 
@@ -128,25 +133,20 @@ def _two_key_bwd_pair_kernel(
 
 
 @triton.jit
-def _pair_rows(b_d, b_c_row, b_c_col, b_w_col, b_cr, m_row, m_col, DOT_PREC: tl.constexpr):
-    """``sum_s d[t, s] w_s e^{c_t - c_s}`` for one off-diagonal block pair (factored at ``cr``)."""
-    b_wc = tl.where(m_col[:, None], b_w_col * tl.exp(b_cr[None, :] - b_c_col), 0.0)
-    b_fr = tl.where(m_row[:, None], tl.exp(b_c_row - b_cr[None, :]), 0.0)
-    return tl.dot(b_d, b_wc, input_precision=DOT_PREC) * b_fr
-
-
-@triton.jit
-def _two_key_bwd_intra_kernel(
+def _two_key_bwd_rows_kernel(
     q, k, w, c, h, dh, x, do, dv, dascr, drscr,
-    dq, dk, dw, dg,
+    dq, dk, dw, dc, wds,
     cu_seqlens, chunk_seq, chunk_first, N, scale,
     Hk: tl.constexpr, Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
+    """``dq``, ``dk``, ``dw`` and ``dc = q dq + k dk - w dw`` of one 16-row block, key
+    slice and value head; ``wds``: the block's column sums of ``w dw_state``."""
     scale = tl.cast(scale, tl.float32)  # Inductor passes Python floats as fp64
-    i_c, i_k, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    NK: tl.constexpr = K // BK
+    NB: tl.constexpr = BT // BC
+    i_p, i_k, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_c, i_i = i_p // NB, i_p % NB
     i_hk = i_h // (Hv // Hk)
     i_n = tl.load(chunk_seq + i_c)
     if i_n >= N:
@@ -155,129 +155,144 @@ def _two_key_bwd_intra_kernel(
     bos = tl.load(cu_seqlens + i_n).to(tl.int64)
     eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
     t0 = bos + (i_c - tl.load(chunk_first + i_n)).to(tl.int64) * BT
+    ti = t0 + i_i * BC
+    if ti >= eos:
+        return
     last = tl.minimum(t0 + BT, eos) - 1
+    o_r = tl.arange(0, BC)
+    m_r = ti + o_r < eos
+    o_t = tl.arange(0, BT)
     o_k = i_k * BK + tl.arange(0, BK)
+    b_c = load_tile(c, ti, o_r, m_r, i_h, o_k, Hv, K)
+    b_q = load_tile(q, ti, o_r, m_r, i_hk, o_k, Hk, K)
+    b_k = load_tile(k, ti, o_r, m_r, i_hk, o_k, Hk, K)
+    b_w = load_tile(w, ti, o_r, m_r, i_h, o_k, Hv, K)
 
-    # Gradient of c_last: e^{c_last} sum_v S0 dS1 (state decay) plus
-    # sum_t (w e^{c_last - c})_t (X dS1^T)_t (write factors). The second sum is
-    # formed from the same products as the per-row terms below, so that the
-    # reverse cumulative sum cancels them to float32 rounding. (The equal
-    # sum_v S1 dS1 from the stored half-precision S1 does not: dlog_decay was
-    # off by 42% in bf16 with decays at log(1e-6), H200, 2026-11-30.)
-    o_c = tl.arange(0, BC)
-    H2: tl.constexpr = Hv * NK
-    HK2: tl.constexpr = Hk * NK
+    # Pair terms against the earlier blocks' columns (one product, factored about this
+    # block's first row) and the later blocks' rows (factored about its last row): all
+    # factors at most 1 for any decay (see two_key_common).
+    b_dqp = tl.zeros([BC, BK], dtype=tl.float32)
+    b_dkp = tl.zeros([BC, BK], dtype=tl.float32)
+    b_dwp = tl.zeros([BC, BK], dtype=tl.float32)
+    if i_i > 0:
+        m_j = (o_t < i_i * BC) & (t0 + o_t < eos)
+        b_cf = tl.load(c + (ti * Hv + i_h) * K + o_k)
+        b_ct = load_tile(c, t0, o_t, m_j, i_h, o_k, Hv, K)
+        b_wt = tl.where(m_j[:, None],
+                        load_tile(w, t0, o_t, m_j, i_h, o_k, Hv, K) * tl.exp(b_cf[None, :] - b_ct), 0.0)
+        b_f = tl.where(m_r[:, None], tl.exp(b_c - b_cf[None, :]), 0.0)
+        p_d = (ti * Hv + i_h) * BT + (o_r[:, None] * (Hv * BT) + o_t[None, :])
+        m_d = m_r[:, None] & (o_t[None, :] < i_i * BC)
+        b_da = tl.load(dascr + p_d, mask=m_d, other=0.0)
+        b_dr = tl.load(drscr + p_d, mask=m_d, other=0.0)
+        b_dkp += tl.dot(b_da, b_wt, input_precision=DOT_PREC) * b_f
+        b_dqp += tl.dot(b_dr, b_wt, input_precision=DOT_PREC) * b_f
+    if ti + BC <= last:
+        m_l = (o_t >= (i_i + 1) * BC) & (t0 + o_t < eos)
+        b_cb = tl.load(c + ((ti + BC - 1) * Hv + i_h) * K + o_k)
+        b_fl = tl.where(m_l[:, None],
+                        tl.exp(load_tile(c, t0, o_t, m_l, i_h, o_k, Hv, K) - b_cb[None, :]), 0.0)
+        b_kl = load_tile(k, t0, o_t, m_l, i_hk, o_k, Hk, K) * b_fl
+        b_ql = load_tile(q, t0, o_t, m_l, i_hk, o_k, Hk, K) * b_fl
+        # the block's columns of dA, dR over the later rows, as [BC, BT]
+        p_d = (t0 * Hv + i_h) * BT + i_i * BC + (o_t[None, :] * (Hv * BT) + o_r[:, None])
+        b_dat = tl.load(dascr + p_d, mask=m_l[None, :], other=0.0)
+        b_drt = tl.load(drscr + p_d, mask=m_l[None, :], other=0.0)
+        b_fc = tl.where(m_r[:, None], tl.exp(b_cb[None, :] - b_c), 0.0)
+        b_dwp += (tl.dot(b_dat, b_kl, input_precision=DOT_PREC)
+                  + tl.dot(b_drt, b_ql, input_precision=DOT_PREC)) * b_fc
+    # The diagonal block, one half of its columns at a time (factored about the half's
+    # 4th row, clipped to the last valid one).
+    b_daii = load_block(dascr, ti, m_r, i_h, i_i * BC, Hv, BT, BC)
+    b_drii = load_block(drscr, ti, m_r, i_h, i_i * BC, Hv, BT, BC)
+    for half in tl.static_range(2):
+        start = half * (BC // 2)
+        r = tl.minimum(ti + start + BC // 4 - 1, last)
+        b_cr = tl.load(c + (r * Hv + i_h) * K + o_k)
+        row_ok = m_r & (o_r >= start)
+        col_ok = row_ok & (o_r < start + BC // 2)
+        b_fr = tl.where(row_ok[:, None], tl.exp(b_c - b_cr[None, :]), 0.0)
+        b_fc = tl.where(col_ok[:, None], tl.exp(b_cr[None, :] - b_c), 0.0)
+        b_wc = b_w * b_fc
+        b_dkp += tl.dot(b_daii, b_wc, input_precision=DOT_PREC) * b_fr
+        b_dqp += tl.dot(b_drii, b_wc, input_precision=DOT_PREC) * b_fr
+        b_dwp += (
+            tl.dot(tl.trans(b_daii), b_k * b_fr, input_precision=DOT_PREC)
+            + tl.dot(tl.trans(b_drii), b_q * b_fr, input_precision=DOT_PREC)
+        ) * b_fc
+
+    # State terms: S0 (this chunk's start state) and dS1 (its end-state gradient).
     p_h0 = ((i_c + i_n).to(tl.int64) * Hv + i_h) * K * V
     p_dh = (i_c.to(tl.int64) * Hv + i_h) * K * V
-    b_cl = load_row(c + i_k * BK, last, eos, i_h * NK, H2, BK)
+    b_dqs = tl.zeros([BC, BK], dtype=tl.float32)
+    b_dks = tl.zeros([BC, BK], dtype=tl.float32)
+    b_dws = tl.zeros([BC, BK], dtype=tl.float32)
+    for i_v in range(V // BV):
+        o_v = i_v * BV + tl.arange(0, BV)
+        b_x = load_tile(x, ti, o_r, m_r, i_h, o_v, Hv, V)
+        b_do = load_tile(do, ti, o_r, m_r, i_h, o_v, Hv, V)
+        b_dy = load_tile(dv, ti, o_r, m_r, i_h, o_v, Hv, V)
+        p_s = o_k[:, None] * V + o_v[None, :]
+        b_h = tl.load(h + p_h0 + p_s).to(tl.float32)
+        b_dh = tl.load(dh + p_dh + p_s).to(tl.float32)
+        b_dqs += tl.dot(b_do, tl.trans(b_h), input_precision=DOT_PREC)
+        b_dks += tl.dot(b_dy, tl.trans(b_h), input_precision=DOT_PREC)
+        b_dws += tl.dot(b_x, tl.trans(b_dh), input_precision=DOT_PREC)
+    b_cl = tl.load(c + (last * Hv + i_h) * K + o_k)
+    b_dqi = scale * b_dqs * tl.where(m_r[:, None], tl.exp(b_c), 0.0) + b_dqp
+    b_dki = b_dkp - b_dks * tl.where(m_r[:, None], tl.exp(b_c), 0.0)
+    b_dws = b_dws * tl.where(m_r[:, None], tl.exp(b_cl[None, :] - b_c), 0.0)
+    b_dwi = b_dws + b_dwp
+    store_tile(dq, b_dqi, ti, o_r, m_r, i_h, o_k, Hv, K)
+    store_tile(dk, b_dki, ti, o_r, m_r, i_h, o_k, Hv, K)
+    store_tile(dw, b_dwi, ti, o_r, m_r, i_h, o_k, Hv, K)
+    store_tile(dc, b_q * b_dqi + b_k * b_dki - b_w * b_dwi, ti, o_r, m_r, i_h, o_k, Hv, K)
+    tl.store(wds + (i_p.to(tl.int64) * Hv + i_h) * K + o_k, tl.sum(b_w * b_dws, 0))
+
+
+@triton.jit
+def _two_key_bwd_decay_kernel(
+    c, h, dh, wds, dg,
+    cu_seqlens, chunk_seq, chunk_first, N,
+    Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+):
+    """``dlog_decay`` of one chunk, key slice and value head, in place of the ``dc`` that
+    ``dg`` holds: the reverse in-chunk cumulative sum of ``dc`` plus the terms of ``c_last``.
+
+    ``c_last`` gets ``e^{c_last} sum_v S0 dS1`` (state decay) and ``sum_t w_t dw_state_t``
+    (write factors), the latter summed from the same products as the rows' ``dc``, so
+    that the two cancel to float32 rounding. (The equal ``sum_v S1 dS1`` from the stored
+    half-precision ``S1`` does not: ``dlog_decay`` was off by 42% in bf16 with decays at
+    ``log(1e-6)``, H200, 2026-11-30.)
+    """
+    NB: tl.constexpr = BT // BC
+    i_c, i_k, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_n = tl.load(chunk_seq + i_c)
+    if i_n >= N:
+        return
+    # index loads in the kernel body, not a helper: see _launch.py on mutation analysis
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    t0 = bos + (i_c - tl.load(chunk_first + i_n)).to(tl.int64) * BT
+    last = tl.minimum(t0 + BT, eos) - 1
+    o_t = tl.arange(0, BT)
+    m_t = t0 + o_t < eos
+    o_k = i_k * BK + tl.arange(0, BK)
+    p_h0 = ((i_c + i_n).to(tl.int64) * Hv + i_h) * K * V
+    p_dh = (i_c.to(tl.int64) * Hv + i_h) * K * V
     b_carry = tl.zeros([BK], dtype=tl.float32)
     for i_v in range(V // BV):
         o_v = i_v * BV + tl.arange(0, BV)
         p_s = o_k[:, None] * V + o_v[None, :]
-        b_h = tl.load(h + p_h0 + p_s).to(tl.float32)
-        b_dh = tl.load(dh + p_dh + p_s).to(tl.float32)
-        b_carry += tl.sum(b_h * b_dh, 1)
-    b_carry *= tl.exp(b_cl)
-    for i in range(BT // BC):
-        m_i = (t0 + i * BC + o_c) < eos
-        b_wl = load_rows(w + i_k * BK, t0 + i * BC, o_c, m_i, i_h * NK, H2, BK) * tl.exp(
-            b_cl[None, :] - load_rows(c + i_k * BK, t0 + i * BC, o_c, m_i, i_h * NK, H2, BK))
-        b_dwl = tl.zeros([BC, BK], dtype=tl.float32)
-        for i_v in range(V // BV):
-            o_v = i_v * BV + tl.arange(0, BV)
-            p_x = ((t0 + i * BC) * Hv + i_h) * V + (o_c[:, None] * (Hv * V) + o_v[None, :])
-            b_x = tl.load(x + p_x, mask=m_i[:, None], other=0.0).to(tl.float32)
-            b_dh = tl.load(dh + p_dh + o_k[:, None] * V + o_v[None, :]).to(tl.float32)
-            b_dwl += tl.dot(b_x, tl.trans(b_dh), input_precision=DOT_PREC)
-        b_carry += tl.sum(tl.where(m_i[:, None], b_wl * b_dwl, 0.0), 0)
-
-    for ib in range(BT // BC):
-        i = BT // BC - 1 - ib
-        o_i = t0 + i * BC + o_c
-        m_i = o_i < eos
-        b_ci = load_rows(c + i_k * BK, t0 + i * BC, o_c, m_i, i_h * NK, H2, BK)
-        b_qi = load_rows(q + i_k * BK, t0 + i * BC, o_c, m_i, i_hk * NK, HK2, BK)
-        b_ki = load_rows(k + i_k * BK, t0 + i * BC, o_c, m_i, i_hk * NK, HK2, BK)
-        b_wi = load_rows(w + i_k * BK, t0 + i * BC, o_c, m_i, i_h * NK, H2, BK)
-        b_dqp = tl.zeros([BC, BK], dtype=tl.float32)
-        b_dkp = tl.zeros([BC, BK], dtype=tl.float32)
-        b_dwp = tl.zeros([BC, BK], dtype=tl.float32)
-        # Rows of block i against earlier blocks j < i.
-        for j in range(i):
-            o_j = t0 + j * BC + o_c
-            m_j = o_j < eos
-            b = tl.minimum(t0 + j * BC + BC - 1, last)
-            b_cb = load_row(c + i_k * BK, b, eos, i_h * NK, H2, BK)
-            b_cj = load_rows(c + i_k * BK, t0 + j * BC, o_c, m_j, i_h * NK, H2, BK)
-            b_wj = load_rows(w + i_k * BK, t0 + j * BC, o_c, m_j, i_h * NK, H2, BK)
-            b_daij = load_block(dascr, t0 + i * BC, m_i, i_h, j * BC, Hv, BT, BC)
-            b_drij = load_block(drscr, t0 + i * BC, m_i, i_h, j * BC, Hv, BT, BC)
-            b_dkp += _pair_rows(b_daij, b_ci, b_cj, b_wj, b_cb, m_i, m_j, DOT_PREC)
-            b_dqp += _pair_rows(b_drij, b_ci, b_cj, b_wj, b_cb, m_i, m_j, DOT_PREC)
-        # Columns of block i against later blocks j > i.
-        for j in range(i + 1, BT // BC):
-            o_j = t0 + j * BC + o_c
-            m_j = o_j < eos
-            b = tl.minimum(t0 + i * BC + BC - 1, last)
-            b_cb = load_row(c + i_k * BK, b, eos, i_h * NK, H2, BK)
-            b_cj = load_rows(c + i_k * BK, t0 + j * BC, o_c, m_j, i_h * NK, H2, BK)
-            b_fr = tl.where(m_j[:, None], tl.exp(b_cj - b_cb[None, :]), 0.0)
-            b_kj = load_rows(k + i_k * BK, t0 + j * BC, o_c, m_j, i_hk * NK, HK2, BK) * b_fr
-            b_qj = load_rows(q + i_k * BK, t0 + j * BC, o_c, m_j, i_hk * NK, HK2, BK) * b_fr
-            b_daji = load_block(dascr, t0 + j * BC, m_j, i_h, i * BC, Hv, BT, BC)
-            b_drji = load_block(drscr, t0 + j * BC, m_j, i_h, i * BC, Hv, BT, BC)
-            b_fc = tl.where(m_i[:, None], tl.exp(b_cb[None, :] - b_ci), 0.0)
-            b_dwp += (tl.dot(tl.trans(b_daji), b_kj, input_precision=DOT_PREC)
-                      + tl.dot(tl.trans(b_drji), b_qj, input_precision=DOT_PREC)) * b_fc
-        # The diagonal block, one half of columns at a time.
-        b_daii = load_block(dascr, t0 + i * BC, m_i, i_h, i * BC, Hv, BT, BC)
-        b_drii = load_block(drscr, t0 + i * BC, m_i, i_h, i * BC, Hv, BT, BC)
-        for half in tl.static_range(2):
-            start = t0 + i * BC + half * (BC // 2)
-            r = tl.minimum(start + BC // 4 - 1, last)
-            b_cr = load_row(c + i_k * BK, r, last + 1, i_h * NK, H2, BK)
-            row_ok = m_i & (o_i >= start)
-            col_ok = row_ok & (o_i < start + BC // 2)
-            b_fr = tl.where(row_ok[:, None], tl.exp(b_ci - b_cr[None, :]), 0.0)
-            b_fc = tl.where(col_ok[:, None], tl.exp(b_cr[None, :] - b_ci), 0.0)
-            b_wc = b_wi * b_fc
-            b_dkp += tl.dot(b_daii, b_wc, input_precision=DOT_PREC) * b_fr
-            b_dqp += tl.dot(b_drii, b_wc, input_precision=DOT_PREC) * b_fr
-            b_dwp += (
-                tl.dot(tl.trans(b_daii), b_ki * b_fr, input_precision=DOT_PREC)
-                + tl.dot(tl.trans(b_drii), b_qi * b_fr, input_precision=DOT_PREC)
-            ) * b_fc
-        # State terms of block i.
-        b_dqs = tl.zeros([BC, BK], dtype=tl.float32)
-        b_dks = tl.zeros([BC, BK], dtype=tl.float32)
-        b_dws = tl.zeros([BC, BK], dtype=tl.float32)
-        for i_v in range(V // BV):
-            o_v = i_v * BV + tl.arange(0, BV)
-            p_x = ((t0 + i * BC) * Hv + i_h) * V + (o_c[:, None] * (Hv * V) + o_v[None, :])
-            b_x = tl.load(x + p_x, mask=m_i[:, None], other=0.0).to(tl.float32)
-            b_do = tl.load(do + p_x, mask=m_i[:, None], other=0.0).to(tl.float32)
-            b_dy = tl.load(dv + p_x, mask=m_i[:, None], other=0.0)
-            p_s = o_k[:, None] * V + o_v[None, :]
-            b_h = tl.load(h + p_h0 + p_s).to(tl.float32)
-            b_dh = tl.load(dh + (i_c.to(tl.int64) * Hv + i_h) * K * V + p_s).to(tl.float32)
-            b_dqs += tl.dot(b_do, tl.trans(b_h), input_precision=DOT_PREC)
-            b_dks += tl.dot(b_dy, tl.trans(b_h), input_precision=DOT_PREC)
-            b_dws += tl.dot(b_x, tl.trans(b_dh), input_precision=DOT_PREC)
-        b_e = tl.where(m_i[:, None], tl.exp(b_ci), 0.0)
-        b_el = tl.where(m_i[:, None], tl.exp(b_cl[None, :] - b_ci), 0.0)
-        b_dqs = scale * b_dqs * b_e
-        b_dks = -b_dks * b_e
-        b_dws = b_dws * b_el
-        b_dqi = b_dqs + b_dqp
-        b_dki = b_dks + b_dkp
-        b_dwi = b_dws + b_dwp
-        b_dc = b_qi * b_dqi + b_ki * b_dki - b_wi * b_dwi
-        b_dgi = tl.cumsum(b_dc, axis=0, reverse=True) + b_carry[None, :]
-        b_carry += tl.sum(b_dc, 0)
-        store_rows(dq + i_k * BK, b_dqi, t0 + i * BC, o_c, m_i, i_h * NK, H2, BK)
-        store_rows(dk + i_k * BK, b_dki, t0 + i * BC, o_c, m_i, i_h * NK, H2, BK)
-        store_rows(dw + i_k * BK, b_dwi, t0 + i * BC, o_c, m_i, i_h * NK, H2, BK)
-        store_rows(dg + i_k * BK, b_dgi, t0 + i * BC, o_c, m_i, i_h * NK, H2, BK)
+        b_carry += tl.sum(tl.load(h + p_h0 + p_s).to(tl.float32)
+                          * tl.load(dh + p_dh + p_s).to(tl.float32), 1)
+    b_carry *= tl.exp(tl.load(c + (last * Hv + i_h) * K + o_k))
+    o_b = tl.arange(0, NB)
+    p_w = ((i_c * NB + o_b).to(tl.int64)[:, None] * Hv + i_h) * K + o_k[None, :]
+    b_carry += tl.sum(tl.load(wds + p_w, mask=(t0 + o_b * BC < eos)[:, None], other=0.0), 0)
+    b_dg = tl.cumsum(load_tile(dg, t0, o_t, m_t, i_h, o_k, Hv, K), axis=0, reverse=True)
+    store_tile(dg, b_dg + b_carry[None, :], t0, o_t, m_t, i_h, o_k, Hv, K)
 
 
 def two_key_bwd(
@@ -361,21 +376,24 @@ def two_key_bwd(
         Hv=hv, V=value_dim, BT=BT, BV=block_v, DOT_PREC=prec,
         num_warps=4, num_stages=2,
     )
-    block_k = min(64, key_dim)
+    block_k = min(32, key_dim)
     nk = key_dim // block_k
     dq, dk, dw, dg = (
         q.new_empty((tokens, hv, key_dim), dtype=torch.float32) for _ in range(4)
     )
-    wrap_triton(_two_key_bwd_intra_kernel)[(num_chunks, nk, hv)](
+    wds = q.new_empty((num_chunks * (BT // BC), hv, key_dim), dtype=torch.float32)
+    wrap_triton(_two_key_bwd_rows_kernel)[(num_chunks * (BT // BC), nk, hv)](
         qf, kf, wf, c, h, dh, x, dof, dv32, dascr, drscr,
-        dq, dk, dw, dg,
+        dq, dk, dw, dg, wds,
         bounds, chunk_seq, chunk_first, num_seqs, scale,
         Hk=hk, Hv=hv, K=key_dim, V=value_dim, BT=BT, BC=BC, BK=block_k, BV=block_v,
-        DOT_PREC=prec,
-        # 8 warps: 228 registers and no spill (ptxas, sm_90, bf16, K=V=128) where 4
-        # warps spilled 264 bytes; at 4 warps (600 bytes of spill, unrolled row
-        # blocks) this kernel took 6.0 of 13.5 ms of fwd+bwd at 8x4096x16 on the H200.
-        num_warps=8, num_stages=2,
+        DOT_PREC=prec, num_warps=4, num_stages=1,
+    )
+    wrap_triton(_two_key_bwd_decay_kernel)[(num_chunks, nk, hv)](
+        c, h, dh, wds, dg,
+        bounds, chunk_seq, chunk_first, num_seqs,
+        Hv=hv, K=key_dim, V=value_dim, BT=BT, BC=BC, BK=block_k, BV=block_v,
+        num_warps=4, num_stages=1,
     )
     group = hv // hk
     if group > 1:

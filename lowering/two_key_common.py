@@ -10,8 +10,9 @@ cumulative log decay per key channel) enter tensor-core products only as
 factored operands, never as ``exp(+large)``:
 
 * between sub-blocks ``j < i`` the factors are taken about a token ``b`` between
-  them (the forward: the first token of block ``i``, for all earlier blocks at
-  once; the backward: the last token of block ``j``): ``exp(c_t - c_b) <= 1`` and
+  them (the first token of block ``i``, for all earlier blocks at once; in the
+  backward's column terms of block ``j``, its last token, for all later blocks at
+  once): ``exp(c_t - c_b) <= 1`` and
   ``exp(c_b - c_s) <= 1`` for any decay (no bound needed);
 * inside a sub-block each half of 8 tokens uses its 4th token ``r`` as the
   reference: the largest exponent is ``4 * max|g|`` (3 tokens on the row side,

@@ -397,8 +397,8 @@ def test_chunk_kda_op_floors_gates_below_the_kernel_bound():
     assert (dg[dev["g"] < LOG_DECAY_BOUND] == 0).all()
 
 
-@pytest.mark.parametrize("which,expected", [("gdn", "counts [2, 3]"), ("kda", "counts [5, 3]"),
-                                            ("kdn", "counts [8, 6]"),
+@pytest.mark.parametrize("which,expected", [("gdn", "counts [2, 3]"), ("kda", "counts [5, 4]"),
+                                            ("kdn", "counts [8, 7]"),
                                             ("export", "exported kdn ['kdn.diag_kdn.default']")])
 def test_kernel_path_traces_as_on_the_gpu(which, expected):
     """The kernel branch traced on the CPU (tests/_trace_kernel_path.py): the ops with
