@@ -6,7 +6,8 @@ state and the final state returned:
 * forward: ours = ``w = beta k`` (one elementwise op) + :func:`two_key_fwd`;
   FLA = ``fla.ops.kda.chunk_kda(..., output_final_state=True)``;
 * forward + backward of a random output gradient: ours adds :func:`two_key_bwd`
-  and the ``beta`` chain rule (``dbeta = sum(dw k)``, ``dk += beta dw``); FLA
+  with the ``beta`` chain rule in its kernels (``dbeta = sum(dw k)``, ``dk += beta
+  dw``); FLA
   through autograd; "op" is ``kdn_compile.chunk_kda`` through autograd (its
   backward reuses the tensors that its forward saved);
 * Diag-KDN: ``kdn_compile.diag_kdn`` (Kalman gains, then the same two-key
@@ -57,10 +58,9 @@ def ours_fwd_bwd(q, k, v, g, beta, h0, scale, do):
     w = beta[..., None] * k
     o, final, *saved = two_key_fwd(q, k, w, v, g, h0, None, chunk_size=64, scale=scale,
                                    state_v_first=False)
-    dq, dk, dw, dv, dg, dh0 = two_key_bwd(q, k, w, v, g, h0, None, *saved, do, None,
-                                          chunk_size=64, scale=scale, state_v_first=False)
-    dbeta = (dw.float() * k.float()).sum(-1)
-    dk = dk + beta[..., None] * dw
+    dq, dk, dbeta, dv, dg, dh0 = two_key_bwd(q, k, w, v, g, h0, None, *saved, do, None,
+                                             chunk_size=64, scale=scale, state_v_first=False,
+                                             beta=beta)
     return dq, dk, dv, dg, dbeta, dh0
 
 

@@ -33,6 +33,8 @@ from kdn_compile.lowering._launch import dot_precision
 from kdn_compile.lowering.two_key_common import (
     BC,
     BT,
+    LOG_DECAY_BOUND,
+    check_decay_floor,
     compute_dtype,
     load_block,
     load_row,
@@ -43,6 +45,14 @@ from kdn_compile.lowering.two_key_common import (
     store_rows,
     store_tile,
 )
+
+
+# Launch configuration of the rows kernel: key slice, value tile, warps, stages.
+# Half inputs: the fastest of 24 timed by ``benchmarks/tune_two_key.py`` (H200,
+# 2026-11-30: the whole backward 4.66 ms against 7.93 at 32 / 64 / 4 / 1, 8x4096x16;
+# 248 registers, no spill). float32 tiles spill 2 KB there (sm_90): the older one.
+ROWS_LAUNCH = {"BK": 64, "BV": 64, "num_warps": 4, "num_stages": 2}
+ROWS_LAUNCH_FP32 = {"BK": 32, "BV": 64, "num_warps": 4, "num_stages": 1}
 
 
 @triton.jit
@@ -134,15 +144,19 @@ def _two_key_bwd_pair_kernel(
 
 @triton.jit
 def _two_key_bwd_rows_kernel(
-    q, k, w, c, h, dh, x, do, dv, dascr, drscr,
-    dq, dk, dw, dc, wds,
+    q, k, w, c, h, dh, x, do, dv, dascr, drscr, beta,
+    dq, dk, dw, dc, wds, dbeta, dvo,
     cu_seqlens, chunk_seq, chunk_first, N, scale,
     Hk: tl.constexpr, Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    DOT_PREC: tl.constexpr,
+    HAS_BETA: tl.constexpr, CAST_DV: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     """``dq``, ``dk``, ``dw`` and ``dc = q dq + k dk - w dw`` of one 16-row block, key
-    slice and value head; ``wds``: the block's column sums of ``w dw_state``."""
+    slice and value head; ``wds``: the block's column sums of ``w dw_state``.
+
+    ``HAS_BETA`` (``w = beta k``): ``dk`` takes ``dk + beta dw`` and ``dbeta`` this key
+    slice's ``sum dw k`` in place of ``dw``. ``CAST_DV``: the first key slice copies
+    ``dv`` (float32) into ``dvo`` (the value dtype)."""
     scale = tl.cast(scale, tl.float32)  # Inductor passes Python floats as fp64
     NB: tl.constexpr = BT // BC
     i_p, i_k, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -232,6 +246,9 @@ def _two_key_bwd_rows_kernel(
         b_x = load_tile(x, ti, o_r, m_r, i_h, o_v, Hv, V)
         b_do = load_tile(do, ti, o_r, m_r, i_h, o_v, Hv, V)
         b_dy = load_tile(dv, ti, o_r, m_r, i_h, o_v, Hv, V)
+        if CAST_DV:
+            if i_k == 0:
+                store_tile(dvo, b_dy, ti, o_r, m_r, i_h, o_v, Hv, V)
         p_s = o_k[:, None] * V + o_v[None, :]
         b_h = tl.load(h + p_h0 + p_s).to(tl.float32)
         b_dh = tl.load(dh + p_dh + p_s).to(tl.float32)
@@ -244,21 +261,27 @@ def _two_key_bwd_rows_kernel(
     b_dws = b_dws * tl.where(m_r[:, None], tl.exp(b_cl[None, :] - b_c), 0.0)
     b_dwi = b_dws + b_dwp
     store_tile(dq, b_dqi, ti, o_r, m_r, i_h, o_k, Hv, K)
-    store_tile(dk, b_dki, ti, o_r, m_r, i_h, o_k, Hv, K)
-    store_tile(dw, b_dwi, ti, o_r, m_r, i_h, o_k, Hv, K)
     store_tile(dc, b_q * b_dqi + b_k * b_dki - b_w * b_dwi, ti, o_r, m_r, i_h, o_k, Hv, K)
+    if HAS_BETA:
+        p_b = (ti + o_r).to(tl.int64) * Hv + i_h
+        b_beta = tl.load(beta + p_b, mask=m_r, other=0.0).to(tl.float32)
+        store_tile(dk, b_dki + b_beta[:, None] * b_dwi, ti, o_r, m_r, i_h, o_k, Hv, K)
+        tl.store(dbeta + p_b * (K // BK) + i_k, tl.sum(b_dwi * b_k, 1), mask=m_r)
+    else:
+        store_tile(dk, b_dki, ti, o_r, m_r, i_h, o_k, Hv, K)
+        store_tile(dw, b_dwi, ti, o_r, m_r, i_h, o_k, Hv, K)
     tl.store(wds + (i_p.to(tl.int64) * Hv + i_h) * K + o_k, tl.sum(b_w * b_dws, 0))
 
 
 @triton.jit
 def _two_key_bwd_decay_kernel(
-    c, h, dh, wds, dg,
-    cu_seqlens, chunk_seq, chunk_first, N,
+    c, h, dh, wds, dc, g, dg,
+    cu_seqlens, chunk_seq, chunk_first, N, floor,
     Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
 ):
-    """``dlog_decay`` of one chunk, key slice and value head, in place of the ``dc`` that
-    ``dg`` holds: the reverse in-chunk cumulative sum of ``dc`` plus the terms of ``c_last``.
+    """``dlog_decay`` of one chunk, key slice and value head: the reverse in-chunk
+    cumulative sum of ``dc`` plus the terms of ``c_last``, zero where ``g < floor``.
 
     ``c_last`` gets ``e^{c_last} sum_v S0 dS1`` (state decay) and ``sum_t w_t dw_state_t``
     (write factors), the latter summed from the same products as the rows' ``dc``, so
@@ -291,8 +314,10 @@ def _two_key_bwd_decay_kernel(
     o_b = tl.arange(0, NB)
     p_w = ((i_c * NB + o_b).to(tl.int64)[:, None] * Hv + i_h) * K + o_k[None, :]
     b_carry += tl.sum(tl.load(wds + p_w, mask=(t0 + o_b * BC < eos)[:, None], other=0.0), 0)
-    b_dg = tl.cumsum(load_tile(dg, t0, o_t, m_t, i_h, o_k, Hv, K), axis=0, reverse=True)
-    store_tile(dg, b_dg + b_carry[None, :], t0, o_t, m_t, i_h, o_k, Hv, K)
+    b_dg = tl.cumsum(load_tile(dc, t0, o_t, m_t, i_h, o_k, Hv, K), axis=0, reverse=True)
+    b_dg += b_carry[None, :]
+    b_floored = load_tile(g, t0, o_t, m_t, i_h, o_k, Hv, K) < tl.cast(floor, tl.float32)
+    store_tile(dg, tl.where(b_floored, 0.0, b_dg), t0, o_t, m_t, i_h, o_k, Hv, K)
 
 
 def two_key_bwd(
@@ -319,6 +344,8 @@ def two_key_bwd(
     chunk_size: int,
     scale: float,
     state_v_first: bool,
+    log_decay_floor: float = LOG_DECAY_BOUND,
+    beta: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """Gradients of :func:`two_key_fwd` from its saved tensors.
 
@@ -328,17 +355,24 @@ def two_key_bwd(
             of :func:`two_key_fwd` (same call).
         do: ``[B, T, Hv, V]`` gradient of ``o``.
         dht: gradient of the final state (its layout) or None.
-        chunk_size, scale, state_v_first: as for the forward.
+        chunk_size, scale, state_v_first, log_decay_floor: as for the forward
+            (``dlog_decay`` is zero where ``log_decay < log_decay_floor``).
+        beta: ``[B, T, Hv]`` or None. Given (KDA, where ``w = beta k``), the
+            chain through ``w`` happens in the kernels: ``dk`` includes ``beta dw``
+            and the third output is ``dbeta = sum_K dw k`` in place of ``dw``.
 
     Returns:
-        ``(dq, dk, dw, dv, dlog_decay, dh0)`` in the dtypes of ``q, k, w, v,
-        log_decay``; ``dh0`` is float32 in the state layout (the gradient of a
-        zero initial state when ``initial_state`` is None).
+        ``(dq, dk, dw, dv, dlog_decay, dh0)`` (``dbeta`` for ``dw`` when ``beta`` is
+        given) in the dtypes of ``q, k, w`` (``beta``), ``v, log_decay``; ``dh0`` is
+        float32 in the state layout (the gradient of a zero initial state when
+        ``initial_state`` is None).
 
     Raises:
-        ValueError: inputs that :func:`two_key_kernel_supports` does not cover.
+        ValueError: inputs that :func:`two_key_kernel_supports` does not cover, or
+            ``log_decay_floor`` outside ``[LOG_DECAY_BOUND, 0]``.
     """
     require_two_key_kernels(q, v, chunk_size)
+    floor = check_decay_floor(log_decay_floor)
     batch, length, hk, key_dim = q.shape
     hv, value_dim = v.shape[2], v.shape[3]
     dt = compute_dtype(q.dtype)
@@ -347,7 +381,8 @@ def two_key_bwd(
     num_chunks = chunk_seq.shape[0] - 1  # its spare last entry: see chunk_map
     bounds, _ = sequence_bounds(batch, length, cu_seqlens, q.device)
     tokens = batch * length
-    qf, kf, wf, dof = (t.reshape(tokens, t.shape[-2], t.shape[-1]).contiguous() for t in (q, k, w, do))
+    qf, kf, wf, gf, dof = (t.reshape(tokens, t.shape[-2], t.shape[-1]).contiguous()
+                           for t in (q, k, w, log_decay, do))
     dh = q.new_empty((num_chunks, hv, key_dim, value_dim), dtype=dt)
     dv32 = q.new_empty((tokens, hv, value_dim), dtype=torch.float32)
     state_shape = (num_seqs, hv, value_dim, key_dim) if state_v_first else (
@@ -376,34 +411,47 @@ def two_key_bwd(
         Hv=hv, V=value_dim, BT=BT, BV=block_v, DOT_PREC=prec,
         num_warps=4, num_stages=2,
     )
-    block_k = min(32, key_dim)
+    rows_launch = ROWS_LAUNCH_FP32 if dt == torch.float32 else ROWS_LAUNCH
+    block_k = min(rows_launch["BK"], key_dim)
     nk = key_dim // block_k
-    dq, dk, dw, dg = (
-        q.new_empty((tokens, hv, key_dim), dtype=torch.float32) for _ in range(4)
-    )
+    group = hv // hk
+    # Per value head, in the output dtypes; float32 where value heads sharing a key
+    # head are summed below.
+    dq, dk = (q.new_empty((tokens, hv, key_dim), dtype=t.dtype if group == 1 else torch.float32)
+              for t in (q, k))
+    dc = q.new_empty((tokens, hv, key_dim), dtype=torch.float32)
     wds = q.new_empty((num_chunks * (BT // BC), hv, key_dim), dtype=torch.float32)
+    if beta is None:
+        dw, dbeta, betaf = w.new_empty((tokens, hv, key_dim)), dc, dc  # dc: never read
+    else:
+        dbeta = q.new_empty((tokens, hv, nk), dtype=torch.float32)
+        dw, betaf = dk, beta.reshape(tokens, hv).contiguous()  # dw: never written
+    dvo = dv32 if v.dtype == torch.float32 else v.new_empty((tokens, hv, value_dim))
     wrap_triton(_two_key_bwd_rows_kernel)[(num_chunks * (BT // BC), nk, hv)](
-        qf, kf, wf, c, h, dh, x, dof, dv32, dascr, drscr,
-        dq, dk, dw, dg, wds,
+        qf, kf, wf, c, h, dh, x, dof, dv32, dascr, drscr, betaf,
+        dq, dk, dw, dc, wds, dbeta, dvo,
         bounds, chunk_seq, chunk_first, num_seqs, scale,
-        Hk=hk, Hv=hv, K=key_dim, V=value_dim, BT=BT, BC=BC, BK=block_k, BV=block_v,
-        DOT_PREC=prec, num_warps=4, num_stages=1,
+        Hk=hk, Hv=hv, K=key_dim, V=value_dim, BT=BT, BC=BC, BK=block_k,
+        BV=min(rows_launch["BV"], value_dim), HAS_BETA=beta is not None,
+        CAST_DV=dvo is not dv32, DOT_PREC=prec,
+        num_warps=rows_launch["num_warps"], num_stages=rows_launch["num_stages"],
     )
+    dg = log_decay.new_empty((tokens, hv, key_dim))
     wrap_triton(_two_key_bwd_decay_kernel)[(num_chunks, nk, hv)](
-        c, h, dh, wds, dg,
-        bounds, chunk_seq, chunk_first, num_seqs,
+        c, h, dh, wds, dc, gf, dg,
+        bounds, chunk_seq, chunk_first, num_seqs, floor,
         Hv=hv, K=key_dim, V=value_dim, BT=BT, BC=BC, BK=block_k, BV=block_v,
         num_warps=4, num_stages=1,
     )
-    group = hv // hk
     if group > 1:
         dq = dq.view(tokens, hk, group, key_dim).sum(2)
         dk = dk.view(tokens, hk, group, key_dim).sum(2)
+    third = dw.view(w.shape) if beta is None else dbeta.sum(-1).view(beta.shape).to(beta.dtype)
     return (
         dq.view(q.shape).to(q.dtype),
         dk.view(k.shape).to(k.dtype),
-        dw.view(w.shape).to(w.dtype),
-        dv32.view(v.shape).to(v.dtype),
-        dg.view(log_decay.shape).to(log_decay.dtype),
+        third,
+        dvo.view(v.shape),
+        dg.view(log_decay.shape),
         dh0,
     )

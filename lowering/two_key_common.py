@@ -19,9 +19,11 @@ factored operands, never as ``exp(+large)``:
   4 on the column side).
 
 Bound relied on: every per-token log decay ``g >= LOG_DECAY_BOUND = -20``
-(``4 * 20 = 80 < 88.7``, the float32 exponent limit); Diag-KDN floors its memory
-decay at ``log(1e-6) = -13.8``. Beyond about ``-22`` per token the diagonal
-blocks overflow. All chunk algebra runs in float32. Products take the kernels'
+(``4 * 20 = 80 < 88.7``, the float32 exponent limit). Beyond about ``-22`` per
+token the diagonal blocks overflow, so the kernels floor ``g`` themselves at a
+``log_decay_floor >= LOG_DECAY_BOUND`` as they load it (KDA: the bound; Diag-KDN:
+its memory floor ``log(1e-6) = -13.8``) and the backward gives zero ``dg`` where
+``g`` sits below the floor (the floor's gradient). All chunk algebra runs in float32. Products take the kernels'
 ``DOT_PREC`` (:func:`~kdn_compile.lowering._launch.dot_precision`): with bf16/fp16
 inputs their operands are the input dtype or tf32 (tensor cores); with fp32
 inputs every product is exact fp32 (``"ieee"``, no tf32). ``T = (I + A)^-1`` is
@@ -46,6 +48,16 @@ BC = 16  # sub-block of the intra-chunk algebra (smallest tensor-core tile)
 LOG_DECAY_BOUND = -20.0
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def check_decay_floor(log_decay_floor: float) -> float:
+    """``log_decay_floor`` as a float; ValueError unless ``LOG_DECAY_BOUND <= floor <= 0``."""
+    floor = float(log_decay_floor)
+    if not LOG_DECAY_BOUND <= floor <= 0.0:
+        raise ValueError(
+            f"log_decay_floor: expected a float in [{LOG_DECAY_BOUND}, 0] (the kernels' "
+            f"bound), got {log_decay_floor!r}")
+    return floor
 
 
 def require_two_key_kernels(q: torch.Tensor, v: torch.Tensor, chunk_size: int) -> None:

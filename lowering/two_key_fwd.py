@@ -30,6 +30,8 @@ from kdn_compile.lowering._tiles import inv_unit_lower
 from kdn_compile.lowering.two_key_common import (
     BC,
     BT,
+    LOG_DECAY_BOUND,
+    check_decay_floor,
     chunk_map,
     compute_dtype,
     load_block,
@@ -44,7 +46,7 @@ from kdn_compile.lowering.two_key_common import (
 )
 
 
-# Launch configuration of the pairs kernel (``benchmarks/tune_two_key_fwd.py`` times others).
+# Launch configuration of the pairs kernel (``benchmarks/tune_two_key.py`` times others).
 PAIRS_LAUNCH = {"BK": 32, "num_warps": 4, "num_stages": 1}
 
 
@@ -58,11 +60,12 @@ def _row_of(b_x, r):
 @triton.jit
 def _two_key_fwd_decay_kernel(
     q, k, w, g, c, qd, kd, wl,
-    cu_seqlens, chunk_seq, chunk_first, N,
+    cu_seqlens, chunk_seq, chunk_first, N, floor,
     Hk: tl.constexpr, Hv: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
 ):
-    """The in-chunk cumulative log decay ``c`` and ``q e^c``, ``k e^c``, ``w e^{c_last - c}``
-    of one chunk, key slice and value head."""
+    """The in-chunk cumulative log decay ``c`` (of ``g`` floored at ``floor``) and ``q e^c``,
+    ``k e^c``, ``w e^{c_last - c}`` of one chunk, key slice and value head."""
+    floor = tl.cast(floor, tl.float32)  # Inductor passes Python floats as fp64
     i_c, i_k, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_hk = i_h // (Hv // Hk)
     i_n = tl.load(chunk_seq + i_c)
@@ -76,7 +79,7 @@ def _two_key_fwd_decay_kernel(
     m_t = t0 + o_t < eos
     o_k = i_k * BK + tl.arange(0, BK)
     # rows past the sequence end load g = 0: c stays flat there, so its last row is c_last
-    b_c = tl.cumsum(load_tile(g, t0, o_t, m_t, i_h, o_k, Hv, K), axis=0)
+    b_c = tl.cumsum(tl.maximum(load_tile(g, t0, o_t, m_t, i_h, o_k, Hv, K), floor), axis=0)
     b_e = tl.exp(b_c)
     store_tile(c, b_c, t0, o_t, m_t, i_h, o_k, Hv, K)
     store_tile(qd, load_tile(q, t0, o_t, m_t, i_hk, o_k, Hk, K) * b_e, t0, o_t, m_t, i_h, o_k, Hv, K)
@@ -350,6 +353,7 @@ def two_key_fwd(
     chunk_size: int,
     scale: float,
     state_v_first: bool,
+    log_decay_floor: float = LOG_DECAY_BOUND,
 ) -> tuple[torch.Tensor, ...]:
     """Chunked two-key delta rule with per-key decay on the GPU (or the Triton interpreter).
 
@@ -358,13 +362,15 @@ def two_key_fwd(
             head ``h // (Hv // Hk)`` (the repeat is never materialized).
         w: ``[B, T, Hv, K]`` write keys (``beta k`` for KDA, the Kalman gain for Diag-KDN).
         v: ``[B, T, Hv, V]`` values.
-        log_decay: ``[B, T, Hv, K]`` natural-log decays, each ``>= -20`` (see
-            :mod:`two_key_common`); any float dtype.
+        log_decay: ``[B, T, Hv, K]`` natural-log decays, any float dtype; the
+            kernels floor them at ``log_decay_floor`` as they read them.
         initial_state: ``[N, Hv, K, V]`` (``[N, Hv, V, K]`` with ``state_v_first``) or None.
         cu_seqlens: ``[N + 1]`` int32/int64 packed boundaries on the device (``B == 1``) or None.
         chunk_size: must be 64 (see :func:`two_key_kernel_supports`).
         scale: output scale.
         state_v_first: layout of ``initial_state`` and the final state.
+        log_decay_floor: the floor of ``log_decay``, in ``[LOG_DECAY_BOUND, 0]``
+            (``LOG_DECAY_BOUND = -20``: see :mod:`two_key_common`).
 
     Returns:
         ``(o, final_state, c, qd, kd, wl, tmat, rmat, h, x, chunk_seq, chunk_first)``:
@@ -376,11 +382,13 @@ def two_key_fwd(
         ``x``; the chunk map.
 
     Raises:
-        ValueError: inputs that :func:`two_key_kernel_supports` does not cover.
+        ValueError: inputs that :func:`two_key_kernel_supports` does not cover, or
+            ``log_decay_floor`` outside ``[LOG_DECAY_BOUND, 0]``.
 
     Source of the math: :func:`kdn_compile.reference.two_key_chunk_recurrence`.
     """
     require_two_key_kernels(q, v, chunk_size)
+    floor = check_decay_floor(log_decay_floor)
     batch, length, hk, key_dim = q.shape
     hv, value_dim = v.shape[2], v.shape[3]
     dt = compute_dtype(q.dtype)
@@ -411,7 +419,7 @@ def two_key_fwd(
 
     wrap_triton(_two_key_fwd_decay_kernel)[(num_chunks, key_dim // min(64, key_dim), hv)](
         qf, kf, wf, gf, c, qd, kd, wl,
-        bounds, chunk_seq, chunk_first, num_seqs,
+        bounds, chunk_seq, chunk_first, num_seqs, floor,
         Hk=hk, Hv=hv, K=key_dim, BT=BT, BK=min(64, key_dim), num_warps=4, num_stages=1,
     )
     wrap_triton(_two_key_fwd_pairs_kernel)[(num_chunks, BT // BC, hv)](

@@ -418,3 +418,16 @@ def test_kernel_path_traces_as_on_the_gpu(which, expected):
     if which == "export":
         assert "exported kda ['kdn.chunk_kda.default']" in done.stdout, done.stdout
         assert "exported gdn ['kdn.chunk_gdn.default']" in done.stdout, done.stdout
+
+
+@pytest.mark.parametrize("floor", [LOG_DECAY_BOUND - 1.0, 0.5, float("nan")])
+def test_decay_floor_outside_the_bound_is_refused(floor):
+    """A ``log_decay_floor`` below the kernels' bound (or above 0) would overflow or
+    mean nothing: both entry points refuse it, naming the argument and the range."""
+    q = torch.zeros(1, 8, 1, 16)
+    v, g = torch.zeros(1, 8, 1, 16), torch.zeros(1, 8, 1, 16)
+    kw = dict(chunk_size=64, scale=1.0, state_v_first=False, log_decay_floor=floor)
+    with pytest.raises(ValueError, match=r"log_decay_floor: expected a float in \[-20.0, 0\]"):
+        two_key_fwd(q, q, q, v, g, None, None, **kw)
+    with pytest.raises(ValueError, match=r"log_decay_floor: expected a float in \[-20.0, 0\]"):
+        two_key_bwd(q, q, q, v, g, None, None, *([None] * 10), v, None, **kw)

@@ -73,16 +73,12 @@ def _kda_kernels(q, v, chunk_size) -> bool:
     return can_launch(q) and two_key_kernel_supports(q, v, chunk_size=chunk_size)
 
 
-def _kernel_gate(g: Tensor) -> Tensor:
-    """``g`` floored at the kernels' bound ``LOG_DECAY_BOUND = -20`` per token.
-
-    The per-key kernels factor decays inside 8-token halves of a sub-block and
-    overflow float32 below about -22 per token. A token decaying by ``e^-20``
-    instead of less keeps at most ``2e-9`` of the state it should erase, below
-    float32 resolution, so the floor changes no result that float32 can show;
-    its gradient is zero where it applies (the true one is below ``2e-9``).
-    """
-    return g.clamp_min(LOG_DECAY_BOUND)
+# On the kernel path ``g`` is floored at the kernels' bound ``LOG_DECAY_BOUND = -20``
+# per token (the kernels floor it as they read it: ``log_decay_floor``). They factor
+# decays inside 8-token halves of a sub-block and overflow float32 below about -22 per
+# token. A token decaying by ``e^-20`` instead of less keeps at most ``2e-9`` of the
+# state it should erase, below float32 resolution, so the floor changes no result that
+# float32 can show; its gradient is zero where it applies (the true one is below 2e-9).
 
 
 def _write_key(k: Tensor, beta: Tensor) -> Tensor:
@@ -107,8 +103,9 @@ def chunk_kda_op(
     """
     if _kda_kernels(q, v, chunk_size):
         return two_key_fwd(
-            q, k, _write_key(k, beta), v, _kernel_gate(g), initial_state, cu_seqlens,
+            q, k, _write_key(k, beta), v, g, initial_state, cu_seqlens,
             chunk_size=chunk_size, scale=scale, state_v_first=state_v_first,
+            log_decay_floor=LOG_DECAY_BOUND,
         )
     o, final_state = torch.ops.kdn.chunk_kda_reference(
         q, k, v, g, beta, initial_state, cu_seqlens, chunk_size, scale, state_v_first
@@ -128,24 +125,18 @@ def chunk_kda_bwd_op(
     """Gradients of ``kdn::chunk_kda`` on its kernel path: ``(dq, dk, dv, dg, dbeta, dh0)``.
 
     Takes the forward's inputs and its :data:`SAVED` outputs (nothing is
-    recomputed but ``w = beta k`` and the floored gate), then chains ``w = beta k``:
-    ``dk += beta dw``, ``dbeta = sum_K dw k``. ``grad_state`` may be None (zero);
-    ``dh0`` is an empty tensor when ``initial_state`` is None.
+    recomputed but ``w = beta k``); the kernels chain ``w = beta k`` (``dk`` gets
+    ``beta dw``, ``dbeta = sum_K dw k``) and the gate's floor. ``grad_state`` may be
+    None (zero); ``dh0`` is an empty tensor when ``initial_state`` is None.
     """
-    w, gate = _write_key(k, beta), _kernel_gate(g)
-    dq, dk, dw, dv, dg, dh0 = two_key_bwd(
-        q, k, w, v, gate, initial_state, cu_seqlens,
+    dq, dk, dbeta, dv, dg, dh0 = two_key_bwd(
+        q, k, _write_key(k, beta), v, g, initial_state, cu_seqlens,
         c, qd, kd, wl, tmat, rmat, h, x, chunk_seq, chunk_first, grad_o, grad_state,
         chunk_size=chunk_size, scale=scale, state_v_first=state_v_first,
+        log_decay_floor=LOG_DECAY_BOUND, beta=beta,
     )
-    dg = torch.where(g >= LOG_DECAY_BOUND, dg, 0.0)
-    b, t, hk, key_dim = k.shape
-    group = beta.shape[2] // hk
-    dw = dw.float().view(b, t, hk, group, key_dim)
-    dbeta = (dw * k.float()[:, :, :, None, :]).sum(-1).reshape(beta.shape)
-    dk = dk.float() + (dw * beta.float().view(b, t, hk, group, 1)).sum(3)
     return (
-        dq, dk.to(k.dtype), dv, dg, dbeta.to(beta.dtype),
+        dq, dk, dv, dg, dbeta,
         q.new_empty(0) if initial_state is None else dh0.to(initial_state.dtype),
     )
 

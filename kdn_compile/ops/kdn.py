@@ -102,10 +102,6 @@ def _memory_kernels(q, v, chunk_size) -> bool:
     return can_launch(q) and two_key_kernel_supports(q, v, chunk_size=chunk_size)
 
 
-def _memory_decay(log_alpha: Tensor) -> Tensor:
-    return log_alpha.clamp_min(ref.LOG_MEMORY_ALPHA_FLOOR)
-
-
 # The outputs of kdn::diag_kdn after (output, memory, precision): what its backward reads.
 SAVED = ("gain", "chunk_cov", "final_cov") + TWO_KEY_SAVED
 
@@ -124,12 +120,12 @@ def diag_kdn_memory_bwd_op(
     Returns ``(dq, dk, dv, dlog_alpha, dgain, dmemory)``; ``dlog_alpha`` is zero
     where ``log_alpha`` sits below the memory floor (the clamp's gradient).
     """
-    dq, dk, dgain, dv, ddecay, dmemory = two_key_bwd(
-        q, k, gain, v, _memory_decay(log_alpha), memory, cu_seqlens,
+    dq, dk, dgain, dv, dlog_alpha, dmemory = two_key_bwd(
+        q, k, gain, v, log_alpha, memory, cu_seqlens,
         c, qd, kd, wl, tmat, rmat, h, x, chunk_seq, chunk_first, grad_output, grad_memory,
         chunk_size=chunk_size, scale=scale, state_v_first=False,
+        log_decay_floor=ref.LOG_MEMORY_ALPHA_FLOOR,
     )
-    dlog_alpha = torch.where(log_alpha >= ref.LOG_MEMORY_ALPHA_FLOOR, ddecay, 0.0)
     return dq, dk, dv, dlog_alpha, dgain, dmemory.to(memory.dtype)
 
 
@@ -154,8 +150,9 @@ def diag_kdn_op(
         k, log_alpha, omega, r, precision, cu_seqlens, info_scale=info_scale)
     if _memory_kernels(q, v, chunk_size):
         output, memory, *two_key_saved = two_key_fwd(
-            q, k, gain, v, _memory_decay(log_alpha), memory, cu_seqlens,
+            q, k, gain, v, log_alpha, memory, cu_seqlens,
             chunk_size=chunk_size, scale=scale, state_v_first=False,
+            log_decay_floor=ref.LOG_MEMORY_ALPHA_FLOOR,
         )
     else:
         output, memory = _memory(q, k, v, log_alpha, gain, memory, cu_seqlens, scale,

@@ -1,0 +1,129 @@
+"""Launch configurations of two two-key kernels, timed on this GPU.
+
+``--kernel pairs``: the forward's ``_two_key_fwd_pairs_kernel`` (``BK``, warps,
+stages; set through ``kdn_compile.lowering.two_key_fwd.PAIRS_LAUNCH``), timing the
+whole :func:`two_key_fwd` and checking its ``o``. ``--kernel rows``: the backward's
+``_two_key_bwd_rows_kernel`` (``BK``, ``BV``, warps, stages; through
+``two_key_bwd.ROWS_LAUNCH``), timing the whole :func:`two_key_bwd` (KDA form, with
+``beta``) on one forward's saved tensors and checking ``dq``, ``dk``, ``dlog_decay``.
+
+Each configuration runs in its own process (compiling in parallel; everything after
+compiling, the check and the timing, holds a file lock, so one process at a time uses
+the GPU) and is checked against and timed back to back with the launchers' own
+configuration (``triton.testing.do_bench`` medians, ms, and their ratio: robust to
+drift between processes) at K = V = 128, bf16.
+Prints a markdown table; with ``$OUT`` set, writes the rows as JSON there.
+Run: ``python benchmarks/tune_two_key.py [--kernel pairs|rows] [--shape 8x4096x16] [--jobs 8]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import fcntl
+import itertools
+import json
+import os
+import subprocess
+import sys
+
+LOCK = "/tmp/tune_two_key.lock"
+# kernel: (module, launch-table name, the searched values of each key)
+SPACES = {
+    "pairs": ("two_key_fwd", "PAIRS_LAUNCH",
+              {"BK": (16, 32, 64), "num_warps": (1, 2, 4, 8), "num_stages": (1, 2)}),
+    "rows": ("two_key_bwd", "ROWS_LAUNCH",
+             {"BK": (16, 32, 64), "BV": (32, 64), "num_warps": (4, 8), "num_stages": (1, 2)}),
+}
+
+
+def one(kernel: str, shape: str, config: dict) -> dict:
+    import importlib
+
+    import torch
+    import triton
+
+    from bench_kda import make_inputs
+    from kdn_compile.lowering.two_key_bwd import two_key_bwd
+    from kdn_compile.lowering.two_key_fwd import two_key_fwd
+
+    module_name, table, _ = SPACES[kernel]
+    module = importlib.import_module(f"kdn_compile.lowering.{module_name}")
+    B, T, H = (int(s) for s in shape.split("x"))
+    q, k, v, g, beta, _ = make_inputs(B, T, H)
+    w = k * beta[..., None]
+    kw = dict(chunk_size=64, scale=128 ** -0.5, state_v_first=False)
+    if kernel == "pairs":
+        def run():
+            return two_key_fwd(q, k, w, v, g, None, None, **kw)[:1]
+    else:
+        saved = two_key_fwd(q, k, w, v, g, None, None, **kw)[2:]
+        do = torch.randn_like(v)
+
+        def run():
+            grads = two_key_bwd(q, k, w, v, g, None, None, *saved, do, None, beta=beta, **kw)
+            return grads[0], grads[1], grads[4]
+
+    # compile both configurations outside the lock, then run and time under it
+    default = dict(getattr(module, table))
+    run()
+    setattr(module, table, dict(config))
+    run()
+    torch.cuda.synchronize()
+    with open(LOCK, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        setattr(module, table, default)
+        want = [t.float() for t in run()]
+        ms_default = triton.testing.do_bench(run)
+        setattr(module, table, dict(config))
+        got = [t.float() for t in run()]
+        ms = triton.testing.do_bench(run)
+        torch.cuda.synchronize()
+    err = max(((a - b).norm() / b.norm()).item() for a, b in zip(got, want))
+    return {**config, "ms": ms, "ms_default": ms_default, "vs_default": err}
+
+
+def _spawn(kernel: str, shape: str, config: dict, timeout: float) -> dict:
+    cmd = [sys.executable, __file__, "--kernel", kernel, "--shape", shape,
+           "--one", json.dumps(config)]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {**config, "error": f"timed out after {timeout} s"}
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
+    if done.returncode or not lines:
+        return {**config, "error": (done.stderr.strip().splitlines() or ["?"])[-1][:200]}
+    return json.loads(lines[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kernel", choices=sorted(SPACES), default="rows")
+    parser.add_argument("--shape", default="8x4096x16", help="B x T x H")
+    parser.add_argument("--jobs", type=int, default=8)
+    parser.add_argument("--timeout", type=float, default=240)
+    parser.add_argument("--one", help="one configuration as JSON (internal)")
+    args = parser.parse_args()
+    if args.one:
+        print(json.dumps(one(args.kernel, args.shape, json.loads(args.one))))
+        return
+    _, table, space = SPACES[args.kernel]
+    configs = [dict(zip(space, values)) for values in itertools.product(*space.values())]
+    with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
+        rows = list(pool.map(lambda c: _spawn(args.kernel, args.shape, c, args.timeout),
+                             configs))
+    print(f"{table} configurations ({args.kernel} kernel) at {args.shape}, K = V = 128, bf16")
+    keys = list(space)
+    print(f"| {' | '.join(keys)} | ms | default ms | ratio | vs default |")
+    print("|" + "---|" * (len(keys) + 4))
+    for r in sorted(rows, key=lambda r: r["ms"] / r["ms_default"] if "ms" in r else float("inf")):
+        tail = (f"{r['ms']:.3f} | {r['ms_default']:.3f} | {r['ms'] / r['ms_default']:.3f} | "
+                f"{r['vs_default']:.1e}" if "ms" in r else f"{r['error']} | | |")
+        print(f"| {' | '.join(str(r[k]) for k in keys)} | {tail} |")
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], f"tune_two_key_{args.kernel}.json"), "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
