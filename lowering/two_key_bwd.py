@@ -16,10 +16,11 @@ Four launches:
    value head): ``dq``, ``dk``, ``dw`` from the pair terms (the earlier blocks' columns
    and the later blocks' rows each in one product, the diagonal block in halves; see
    :mod:`two_key_common` for the factoring) and the state terms, and
-   ``dc = q dq + k dk - w dw``.
+   ``dc = q dq + k dk - w dw``. For KDA (``w = beta k``) it chains ``w`` itself:
+   ``dk + beta dw`` and per-slice partial sums of ``dbeta = sum_K dw k``.
 4. ``_two_key_bwd_decay_kernel`` (one program per chunk, key slice and value head):
    ``dlog_decay`` as the reverse in-chunk cumulative sum of ``dc``, plus the
-   whole-chunk terms of ``c_last``.
+   whole-chunk terms of ``c_last``; zero where ``g`` sits below the floor.
 """
 
 from __future__ import annotations
@@ -368,11 +369,15 @@ def two_key_bwd(
         ``initial_state`` is None).
 
     Raises:
-        ValueError: inputs that :func:`two_key_kernel_supports` does not cover, or
-            ``log_decay_floor`` outside ``[LOG_DECAY_BOUND, 0]``.
+        ValueError: inputs that :func:`two_key_kernel_supports` does not cover,
+            ``log_decay_floor`` outside ``[LOG_DECAY_BOUND, 0]``, or ``beta`` not a
+            float ``[B, T, Hv]`` tensor.
     """
     require_two_key_kernels(q, v, chunk_size)
     floor = check_decay_floor(log_decay_floor)
+    if beta is not None and (beta.shape != v.shape[:3] or not beta.is_floating_point()):
+        raise ValueError(f"beta: expected a float tensor of shape {tuple(v.shape[:3])} "
+                         f"([B, T, Hv]), got {beta.dtype} of shape {tuple(beta.shape)}")
     batch, length, hk, key_dim = q.shape
     hv, value_dim = v.shape[2], v.shape[3]
     dt = compute_dtype(q.dtype)

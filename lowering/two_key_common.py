@@ -51,9 +51,13 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def check_decay_floor(log_decay_floor: float) -> float:
-    """``log_decay_floor`` as a float; ValueError unless ``LOG_DECAY_BOUND <= floor <= 0``."""
-    floor = float(log_decay_floor)
-    if not LOG_DECAY_BOUND <= floor <= 0.0:
+    """``log_decay_floor`` as a float; ValueError unless a real number (not a bool) with
+    ``LOG_DECAY_BOUND <= floor <= 0``."""
+    try:
+        floor = float(log_decay_floor)
+    except (TypeError, ValueError, RuntimeError):
+        floor = float("nan")
+    if isinstance(log_decay_floor, bool) or not LOG_DECAY_BOUND <= floor <= 0.0:
         raise ValueError(
             f"log_decay_floor: expected a float in [{LOG_DECAY_BOUND}, 0] (the kernels' "
             f"bound), got {log_decay_floor!r}")

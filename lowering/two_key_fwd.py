@@ -1,19 +1,21 @@
 """Forward of the two-key, per-key-decay chunked delta rule (KDA, Diag-KDN memory).
 
-Four launches (see :mod:`two_key_common` for the decay factoring and its bound):
+Five launches (see :mod:`two_key_common` for the decay factoring and its bound):
 
-1. ``_two_key_fwd_pairs_kernel`` (one program per chunk and value head, walking the
-   keys in 32-wide slices): the in-chunk cumulative log decay ``c`` and the decayed
-   keys ``q e^c``, ``k e^c``, ``w e^{c_last - c}`` (stored); the strictly lower
-   ``A[t, s] = sum_i k_ti e^{c_ti - c_si} w_si`` and the lower ``R`` (``q`` in place
-   of ``k``, diagonal included) as 16 x 16 register blocks; ``T = (I + A)^-1``
-   (nilpotent products on the diagonal blocks, then block products).
-2. ``_two_key_fwd_wu_kernel`` (one program per chunk and value head):
-   ``Wk = T (k e^c)`` and ``U = T v``.
-3. ``_two_key_fwd_state_kernel`` (one program per sequence, value head and value
+1. ``_two_key_fwd_decay_kernel`` (one program per chunk, 64-key slice and value head):
+   the in-chunk cumulative log decay ``c`` of ``g`` floored at ``log_decay_floor``,
+   and the decayed keys ``q e^c``, ``k e^c``, ``w e^{c_last - c}`` (all stored).
+2. ``_two_key_fwd_pairs_kernel`` (one program per chunk, 16-row block and value
+   head): that block's rows of the strictly lower
+   ``A[t, s] = sum_i k_ti e^{c_ti - c_si} w_si`` (float32) and of the lower ``R``
+   (``q`` in place of ``k``, diagonal included); the earlier blocks' columns in one
+   product factored about the block's first row, the diagonal block in halves.
+3. ``_two_key_fwd_solve_kernel`` (one program per chunk and value head):
+   ``T = (I + A)^-1`` (stored), then ``Wk = T (k e^c)`` and ``U = T v``.
+4. ``_two_key_fwd_state_kernel`` (one program per sequence, value head and value
    tile, sequential over chunks): ``X = U - Wk S``,
    ``S <- e^{c_last} S + (w e^{c_last - c})^T X``; saves each chunk's start state.
-4. ``_two_key_fwd_output_kernel`` (one program per chunk): ``o = scale((q e^c) S + R X)``.
+5. ``_two_key_fwd_output_kernel`` (one program per chunk): ``o = scale((q e^c) S + R X)``.
 
 Math source: the WY form of :func:`kdn_compile.reference.two_key_chunk_recurrence`.
 """

@@ -420,7 +420,7 @@ def test_kernel_path_traces_as_on_the_gpu(which, expected):
         assert "exported gdn ['kdn.chunk_gdn.default']" in done.stdout, done.stdout
 
 
-@pytest.mark.parametrize("floor", [LOG_DECAY_BOUND - 1.0, 0.5, float("nan")])
+@pytest.mark.parametrize("floor", [LOG_DECAY_BOUND - 1.0, 0.5, float("nan"), True, "abc", None])
 def test_decay_floor_outside_the_bound_is_refused(floor):
     """A ``log_decay_floor`` below the kernels' bound (or above 0) would overflow or
     mean nothing: both entry points refuse it, naming the argument and the range."""
@@ -431,3 +431,12 @@ def test_decay_floor_outside_the_bound_is_refused(floor):
         two_key_fwd(q, q, q, v, g, None, None, **kw)
     with pytest.raises(ValueError, match=r"log_decay_floor: expected a float in \[-20.0, 0\]"):
         two_key_bwd(q, q, q, v, g, None, None, *([None] * 10), v, None, **kw)
+
+
+@pytest.mark.parametrize("beta", [torch.rand(1, 8, 2), torch.ones(1, 8, 1, dtype=torch.int64)],
+                         ids=["shape", "dtype"])
+def test_backward_beta_of_the_wrong_shape_or_dtype_is_refused(beta):
+    q = torch.zeros(1, 8, 1, 16)
+    with pytest.raises(ValueError, match=r"beta: expected a float tensor of shape \(1, 8, 1\)"):
+        two_key_bwd(q, q, q, q, q, None, None, *([None] * 10), q, None, chunk_size=64,
+                    scale=1.0, state_v_first=False, beta=beta)
