@@ -8,7 +8,7 @@ from torch import nn
 import kdn_compile
 from kdn_compile._checks import check_float, check_state, num_sequences
 from kdn_compile.layers._common import GatedRMSNorm, ShortConv, check_sizes, convolved_qkv, heads
-from kdn_compile.layers._common import decay_rate_log, time_step_bias, work
+from kdn_compile.layers._common import decay_rate_log, time_step_bias
 from kdn_compile.reference import (
     initial_precision_logit,
     initial_state,
@@ -29,7 +29,10 @@ class DiagKDN(nn.Module):
     ``[H]``. :func:`kdn_compile.diag_kdn` runs the recurrence (Kalman gain in
     place of GDN's ``beta``; the math is in the docs' math page and
     :mod:`kdn_compile.reference.kdn`), then
-    ``rmsnorm(o) * silu(gate_proj(x))`` and the output projection.
+    ``rmsnorm(o) * silu(gate_proj(x))`` and the output projection. ``q, k, v`` enter
+    :func:`~kdn_compile.diag_kdn` in the activations' dtype (``q, k`` normalized in
+    float32 first); the noise model, the Kalman gain and the state are float32 (float64
+    for float64 inputs).
 
     Args:
         hidden_size: model width ``D``.
@@ -101,8 +104,9 @@ class DiagKDN(nn.Module):
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         conv_cache = None if state is None else state["conv"]
         q, k, v, conv_cache = convolved_qkv(self, x, conv_cache, cu_seqlens, self.num_heads)
-        q, k = normalize_query_key(q, k)
-        v = work(v)
+        # Normalized in float32, then back in the activations' dtype, as the KDA layer's
+        # q, k, v: with half activations the memory runs on the two-key kernels' half path.
+        q, k = (t.to(v.dtype) for t in normalize_query_key(q, k))
         log_alpha, omega, r, prior = kalman_noise(
             heads(self.retention_proj(x), self.num_heads),
             heads(self.omega_proj(x), self.num_heads),
@@ -114,7 +118,7 @@ class DiagKDN(nn.Module):
         rows = num_sequences(x.shape[0], cu_seqlens)
         if state is None:
             memory, precision = initial_state(
-                prior.to(v.dtype), batch_size=rows, key_dim=self.head_dim, value_dim=self.head_v_dim
+                prior, batch_size=rows, key_dim=self.head_dim, value_dim=self.head_v_dim
             )
         else:
             memory, precision = state["memory"], state["precision"]
