@@ -1,11 +1,15 @@
-"""Launch configurations of two two-key kernels, timed on this GPU.
+"""Launch configurations of the two-key kernels, timed on this GPU.
 
-``--kernel pairs``: the forward's ``_two_key_fwd_pairs_kernel`` (``BK``, warps,
-stages; set through ``kdn_compile.lowering.two_key_fwd.PAIRS_LAUNCH``), timing the
-whole :func:`two_key_fwd` and checking its ``o``. ``--kernel rows``: the backward's
-``_two_key_bwd_rows_kernel`` (``BK``, ``BV``, warps, stages; through
-``two_key_bwd.ROWS_LAUNCH``), timing the whole :func:`two_key_bwd` (KDA form, with
-``beta``) on one forward's saved tensors and checking ``dq``, ``dk``, ``dlog_decay``.
+Forward kernels, timing the whole :func:`two_key_fwd` and checking its ``o``:
+``--kernel pairs`` (``_two_key_fwd_pairs_kernel``: ``BK``, warps, stages, set through
+``kdn_compile.lowering.two_key_fwd.PAIRS_LAUNCH``), ``--kernel fwd-state``
+(``_two_key_fwd_state_kernel``: ``BV``, warps, stages; ``two_key_fwd.STATE_LAUNCH``).
+Backward kernels, timing the whole :func:`two_key_bwd` (KDA form, with ``beta``) on one
+forward's saved tensors and checking ``dq``, ``dk``, ``dlog_decay``: ``--kernel rows``
+(``_two_key_bwd_rows_kernel``: ``BK``, ``BV``, warps, stages; ``two_key_bwd.ROWS_LAUNCH``),
+``--kernel bwd-state`` (``_two_key_bwd_state_kernel``; ``two_key_bwd.STATE_LAUNCH``).
+The state passes run one program per sequence, head and value tile: time them at
+``--shape 1x32768x16`` too (64 programs at 32-wide tiles).
 
 Each configuration runs in its own process (compiling in parallel; everything after
 compiling, the check and the timing, holds a file lock, so one process at a time uses
@@ -34,6 +38,11 @@ SPACES = {
               {"BK": (16, 32, 64), "num_warps": (1, 2, 4, 8), "num_stages": (1, 2)}),
     "rows": ("two_key_bwd", "ROWS_LAUNCH",
              {"BK": (16, 32, 64), "BV": (32, 64), "num_warps": (4, 8), "num_stages": (1, 2)}),
+    # 2 warps spill at every value tile (ptxas, sm_90)
+    "fwd-state": ("two_key_fwd", "STATE_LAUNCH",
+                  {"BV": (16, 32, 64), "num_warps": (4, 8), "num_stages": (1, 2, 3)}),
+    "bwd-state": ("two_key_bwd", "STATE_LAUNCH",
+                  {"BV": (16, 32, 64), "num_warps": (4, 8), "num_stages": (1, 2, 3)}),
 }
 
 
@@ -53,7 +62,7 @@ def one(kernel: str, shape: str, config: dict) -> dict:
     q, k, v, g, beta, _ = make_inputs(B, T, H)
     w = k * beta[..., None]
     kw = dict(chunk_size=64, scale=128 ** -0.5, state_v_first=False)
-    if kernel == "pairs":
+    if module_name == "two_key_fwd":
         def run():
             return two_key_fwd(q, k, w, v, g, None, None, **kw)[:1]
     else:

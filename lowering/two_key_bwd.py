@@ -54,6 +54,11 @@ from kdn_compile.lowering.two_key_common import (
 # 248 registers, no spill). float32 tiles spill 2 KB there (sm_90): the older one.
 ROWS_LAUNCH = {"BK": 64, "BV": 64, "num_warps": 4, "num_stages": 2}
 ROWS_LAUNCH_FP32 = {"BK": 32, "BV": 64, "num_warps": 4, "num_stages": 1}
+# The state-gradient pass for half inputs: 32-wide value tiles (255 registers and 8 bytes
+# of spill, ptxas sm_90, against 320 bytes at 64, and twice the programs for the
+# sequential pass). float32 inputs take one stage (two stages of its tiles need 311 KB of
+# shared memory at K = V = 256; sm_90 has 227 KB).
+STATE_LAUNCH = {"BV": 32, "num_warps": 4, "num_stages": 2}
 
 
 @triton.jit
@@ -395,18 +400,14 @@ def two_key_bwd(
     dh0 = q.new_empty(state_shape, dtype=torch.float32)
     s_k, s_v = (1, key_dim) if state_v_first else (value_dim, 1)
     block_v = min(64, value_dim)
-    # 32-wide value tiles: 255 registers and 8 bytes of spill (ptxas, sm_90) against
-    # 320 bytes at 64, and twice the programs for the sequential pass.
-    state_v = min(32, value_dim)
+    state_v = min(STATE_LAUNCH["BV"], value_dim)
     wrap_triton(_two_key_bwd_state_kernel)[(triton.cdiv(value_dim, state_v) * num_seqs * hv,)](
         qd, kd, wl, c, tmat, rmat, dof,
         dht.contiguous() if dht is not None else dh0, dh, dv32, dh0,
         bounds, chunk_first, s_k, s_v, scale,
         Hv=hv, K=key_dim, V=value_dim, BT=BT, BV=state_v,
-        HAS_DHT=dht is not None, DOT_PREC=prec,
-        # Two stages need 311 KB of shared memory for fp32 tiles and 252 KB for bf16
-        # at K = V = 256 (sm_90 has 227 KB): one stage there.
-        num_warps=4, num_stages=2 if dt != torch.float32 and key_dim <= 128 else 1,
+        HAS_DHT=dht is not None, DOT_PREC=prec, num_warps=STATE_LAUNCH["num_warps"],
+        num_stages=STATE_LAUNCH["num_stages"] if dt != torch.float32 else 1,
     )
     dascr = q.new_empty((tokens, hv, BT), dtype=torch.float32)
     drscr = q.new_empty((tokens, hv, BT), dtype=torch.float32)

@@ -48,8 +48,12 @@ from kdn_compile.lowering.two_key_common import (
 )
 
 
-# Launch configuration of the pairs kernel (``benchmarks/tune_two_key.py`` times others).
+# Launch configurations (``benchmarks/tune_two_key.py`` times others): the pairs kernel;
+# the state pass for half inputs (32-wide value tiles: twice the programs of 64 for the
+# sequential pass and no spills, ptxas sm_90: 140 registers at BV=32, 236 at BV=64;
+# float32 inputs take one stage).
 PAIRS_LAUNCH = {"BK": 32, "num_warps": 4, "num_stages": 1}
+STATE_LAUNCH = {"BV": 32, "num_warps": 4, "num_stages": 2}
 
 
 @triton.jit
@@ -438,15 +442,14 @@ def two_key_fwd(
         DOT_PREC=prec, num_warps=4, num_stages=1,
     )
     block_v = min(64, value_dim)
-    # 32-wide value tiles: twice the programs of 64 for the sequential pass and
-    # no spills (ptxas, sm_90: 140 registers at BV=32, 236 at BV=64).
-    state_v = min(32, value_dim)
+    state_v = min(STATE_LAUNCH["BV"], value_dim)
     wrap_triton(_two_key_fwd_state_kernel)[(triton.cdiv(value_dim, state_v) * num_seqs * hv,)](
         wk, u, wl, c, h, x, h0, final_state,
         bounds, chunk_first, s_k, s_v,
         Hv=hv, K=key_dim, V=value_dim, BT=BT, BV=state_v,
         HAS_H0=initial_state is not None, DOT_PREC=prec,
-        num_warps=4, num_stages=2 if dt != torch.float32 else 1,
+        num_warps=STATE_LAUNCH["num_warps"],
+        num_stages=STATE_LAUNCH["num_stages"] if dt != torch.float32 else 1,
     )
     wrap_triton(_two_key_fwd_output_kernel)[(num_chunks, triton.cdiv(value_dim, block_v), hv)](
         qd, h, rmat, x, o,
