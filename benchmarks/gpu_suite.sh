@@ -19,6 +19,8 @@
 # ISO_K: a pytest -k expression selecting the tests of every test stage.
 # TESTS_SHARE: percent of the time for the tests and compile warm-ups (35); GDN_ARGS,
 # KDA_ARGS: arguments of bench_gdn.py, bench_kda.py (e.g. "--profile --shapes 8x4096x16").
+# TUNE="pairs rows fwd-state bwd-state": after the benchmarks, benchmarks/tune_two_key.py
+# --kernel <each> $TUNE_ARGS (e.g. "--shape 1x32768x16") in the time left.
 # EXTRA=<dir>: another checkout inside this one (a branch); its GDN kernel tests (unless
 # EXTRA_TESTS=0) and bench_gdn.py (with $EXTRA_BENCH) run too, with its own kdn_compile
 # first on the path.
@@ -129,6 +131,11 @@ for b in ${BENCHES:-gdn kda layers}; do
            # shellcheck disable=SC2086
            stage "bench_$b" 150 python "benchmarks/bench_$b.py" ${!args:-} ;;
     esac
+done
+for t in ${TUNE:-}; do
+    # shellcheck disable=SC2086
+    stage "tune_$t" "$(left)" env OUT="$out" python benchmarks/tune_two_key.py --kernel "$t" \
+        ${TUNE_ARGS:-}
 done
 grep -h -B2 -A12 "CUDA error in\|^E   .*[Ee]rror" "$logs"/*.log 2> /dev/null | head -150 \
     > "$out/errors.txt"
