@@ -77,18 +77,42 @@ def test_bad_sizes_are_rejected_by_name(cls, bad, name):
         cls(sizes["hidden_size"], sizes["num_heads"], sizes["head_dim"], **kwargs)
 
 
-def test_kda_with_one_decay_per_head_is_gdn():
-    # KDA's per-key gate, made equal across each head's K channels, is GDN's scalar gate
-    gdn, kda = make_layer("gdn"), KimiDeltaAttention(D, 2, 8, num_v_heads=4, head_v_dim=6,
-                                                    chunk_size=8).double()
-    weights = gdn.state_dict()
-    weights["a_proj.weight"] = weights["a_proj.weight"].repeat_interleave(8, dim=0)
-    weights["dt_bias"] = weights["dt_bias"].repeat_interleave(8)
-    kda.load_state_dict(weights)
+def test_gated_norm_refuses_an_unknown_activation():
+    from kdn_compile.layers._common import GatedRMSNorm
+
+    with pytest.raises(ValueError, match=r"activation must be one of \['sigmoid', 'silu'\], got 'relu'"):
+        GatedRMSNorm(4, activation="relu")
+
+
+def test_kda_layer_is_kimi_linear_anatomy():
+    """KimiDeltaAttention has Kimi Linear's (and fla.layers.KimiDeltaAttention's) gates:
+    low-rank decay and output-gate projections through V, a bias on the latter, a
+    sigmoid output gate; its output spelled out with the reference op equals the layer's."""
+    import torch.nn.functional as F
+
+    from kdn_compile.layers._common import convolved_qkv
+    from kdn_compile.reference import chunk_kda_reference
+
+    layer = KimiDeltaAttention(D, 2, 8, num_v_heads=4, head_v_dim=6, chunk_size=8).double()
+    shapes = {n: tuple(t.shape) for n, t in layer.state_dict().items() if n[:6] in ("f_proj", "g_proj")}
+    assert shapes == {"f_proj.0.weight": (6, D), "f_proj.1.weight": (4 * 8, 6),
+                      "g_proj.0.weight": (6, D), "g_proj.1.weight": (4 * 6, 6),
+                      "g_proj.1.bias": (4 * 6,)}
+    assert not hasattr(layer, "a_proj") and not hasattr(layer, "gate_proj")
+    with torch.no_grad():
+        layer.g_proj[1].bias.normal_()  # nonzero, so that a missing bias would show
     x = inputs(2, 19)
-    (y_gdn, s_gdn), (y_kda, s_kda) = gdn(x), kda(x)
-    assert_close(y_kda, y_gdn, 1e-12, "KDA with per-head decay vs GDN")
-    assert_states_close(s_kda, s_gdn, 1e-12, "KDA vs GDN")
+    y, _ = layer(x)
+    q, k, v, _ = convolved_qkv(layer, x, None, None, 4)
+    raw = layer.f_proj[1](layer.f_proj[0](x)).view(2, 19, 4, 8) + layer.dt_bias.view(4, 8)
+    g = -layer.A_log.exp()[:, None] * F.softplus(raw)
+    beta = layer.b_proj(x).sigmoid()
+    o, _ = chunk_kda_reference(F.normalize(q, dim=-1), F.normalize(k, dim=-1), v, g, beta,
+                               chunk_size=8)
+    gate = torch.sigmoid(layer.g_proj[1](layer.g_proj[0](x))).view(2, 19, 4, 6)
+    normed = o * torch.rsqrt(o.square().mean(-1, keepdim=True) + layer.norm.eps)
+    want = layer.o_proj((normed * layer.norm.weight * gate).flatten(-2))
+    assert_close(y, want, 1e-12, "KDA layer spelled out")
 
 
 @pytest.mark.parametrize("name", sorted(LAYERS))

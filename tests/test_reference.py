@@ -32,6 +32,17 @@ def test_chunk_matches_recurrent(case, per_key):
     assert_close(s2, s1, 1e-12, "state")
 
 
+def test_kda_with_one_decay_per_head_is_gdn():
+    """KDA's per-key gate, equal across each head's K channels, is GDN's scalar gate."""
+    x = delta_inputs(per_key=False, Hk=1, Hv=2, T=37)
+    o_gdn, s_gdn = ref.chunk_gdn_reference(**x, chunk_size=16)
+    g = x.pop("g")
+    o_kda, s_kda = ref.chunk_kda_reference(
+        **x, g=g[..., None].expand(*g.shape, x["k"].shape[-1]), chunk_size=16)
+    assert_close(o_kda, o_gdn, 1e-12, "o")
+    assert_close(s_kda, s_gdn, 1e-12, "state")
+
+
 @pytest.mark.parametrize("per_key", [False, True], ids=["gdn", "kda"])
 def test_varlen_equals_separate_sequences(per_key):
     lengths = [5, 0, 40, 19]

@@ -100,22 +100,30 @@ class ShortConv(nn.Module):
 
 
 class GatedRMSNorm(nn.Module):
-    """``rmsnorm(o) * weight * silu(gate)`` over the last dim (one head's values).
+    """``rmsnorm(o) * weight * act(gate)`` over the last dim (one head's values).
 
     Args:
         dim: size of the normalized (last) dim.
         eps: added to the mean square, default 1e-5.
+        activation: ``act``, ``"silu"`` (default; Gated DeltaNet) or ``"sigmoid"``
+            (Kimi Delta Attention).
     """
 
-    def __init__(self, dim: int, eps: float = 1e-5):
+    _ACTIVATIONS = {"silu": F.silu, "sigmoid": torch.sigmoid}
+
+    def __init__(self, dim: int, eps: float = 1e-5, activation: str = "silu"):
         super().__init__()
-        self.eps = eps
+        if activation not in self._ACTIVATIONS:
+            raise ValueError(f"activation must be one of {sorted(self._ACTIVATIONS)}, "
+                             f"got {activation!r}")
+        self.eps, self.activation = eps, activation
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         wide = work(o)
         normed = wide * torch.rsqrt(wide.square().mean(-1, keepdim=True) + self.eps)
-        return (normed * self.weight * F.silu(gate.to(normed.dtype))).to(o.dtype)
+        act = self._ACTIVATIONS[self.activation]
+        return (normed * self.weight * act(gate.to(normed.dtype))).to(o.dtype)
 
 
 def check_sizes(**sizes: int | None) -> None:

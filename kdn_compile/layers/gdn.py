@@ -64,6 +64,7 @@ class GatedDeltaNet(nn.Module):
     """
 
     gate_per_key = False  # KimiDeltaAttention: one decay per key channel
+    output_activation = "silu"  # of the output gate (KimiDeltaAttention: sigmoid)
 
     def __init__(
         self,
@@ -97,17 +98,25 @@ class GatedDeltaNet(nn.Module):
         self.k_proj = nn.Linear(hidden_size, key_width, bias=False)
         self.v_proj = nn.Linear(hidden_size, value_width, bias=False)
         self.conv = ShortConv(2 * key_width + value_width, conv_size)
-        self.a_proj = nn.Linear(hidden_size, gates, bias=False)
+        self.add_gate_projections(hidden_size, gates, value_width)
         self.b_proj = nn.Linear(hidden_size, num_v_heads, bias=False)
         self.A_log = nn.Parameter(decay_rate_log(num_v_heads))
         self.dt_bias = nn.Parameter(time_step_bias(gates))
-        self.gate_proj = nn.Linear(hidden_size, value_width, bias=False)
-        self.norm = GatedRMSNorm(head_v_dim, norm_eps)
+        self.norm = GatedRMSNorm(head_v_dim, norm_eps, activation=self.output_activation)
         self.o_proj = nn.Linear(value_width, hidden_size, bias=False)
+
+    def add_gate_projections(self, hidden_size: int, gates: int, value_width: int) -> None:
+        """The decay and output-gate projections: ``a_proj``, ``gate_proj`` (full rank)."""
+        self.a_proj = nn.Linear(hidden_size, gates, bias=False)
+        self.gate_proj = nn.Linear(hidden_size, value_width, bias=False)
 
     def decay(self, x: torch.Tensor) -> torch.Tensor:
         """Log decay ``g [B, T, Hv]``: ``-exp(A_log) * softplus(a_proj(x) + dt_bias)``."""
         return -self.A_log.exp() * F.softplus(work(self.a_proj(x)) + self.dt_bias)
+
+    def output_gate(self, x: torch.Tensor) -> torch.Tensor:
+        """The output gate before its activation, ``[B, T, Hv, V]``."""
+        return heads(self.gate_proj(x), self.num_v_heads)
 
     def mix(self, q, k, v, g, beta, initial_state, cu_seqlens):
         """The sequence mixing: ``(o [B, T, Hv, V], final_state [N, Hv, K, V])``."""
@@ -137,5 +146,5 @@ class GatedDeltaNet(nn.Module):
         g = self.decay(x)
         beta = self.b_proj(x).sigmoid()
         o, recurrent = self.mix(q, k, v, g, beta, recurrent, cu_seqlens)
-        o = self.norm(o, heads(self.gate_proj(x), self.num_v_heads))
+        o = self.norm(o, self.output_gate(x))
         return self.o_proj(o.flatten(-2)), {"conv": conv_cache, "recurrent": recurrent}
