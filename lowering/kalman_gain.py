@@ -154,18 +154,32 @@ def kalman_gain_fwd(k, log_alpha, omega, r, precision, cu_seqlens=None, *, info_
 
 def kalman_gain_bwd(
     k, log_alpha, omega, r, precision, cu_seqlens, chunk_covariance, final_covariance,
-    dgain, dprecision, *, info_scale: float,
+    dgain, dprecision, *, info_scale: float, dk_add=None, dlog_alpha_add=None,
 ):
     """Gradients of :func:`kalman_gain_fwd` given ``dgain`` and ``dprecision``.
 
     Args: the forward's inputs, its saved ``chunk_covariance`` and
     ``final_covariance``, ``dgain [B, T, H, K]`` and ``dprecision [N, H, K]``
-    (gradient of the final precision, or None for zero).
+    (gradient of the final precision, or None for zero); ``dk_add``,
+    ``dlog_alpha_add``: ``[B, T, H, K]`` gradients from elsewhere (the memory's) that
+    the kernel adds before it stores ``dk`` and ``dlog_alpha`` (both or neither).
 
     Returns:
         ``(dk, dlog_alpha, domega, dr, dprecision0)`` in the dtypes of
         ``k, log_alpha, omega, r, precision``.
+
+    Raises:
+        ValueError: one of ``dk_add``, ``dlog_alpha_add`` without the other, or
+            either not of ``k``'s shape.
     """
+    add = dk_add is not None
+    if add != (dlog_alpha_add is not None):
+        raise ValueError("dk_add and dlog_alpha_add: give both or neither, got "
+                         f"{type(dk_add).__name__} and {type(dlog_alpha_add).__name__}")
+    for name, t in (("dk_add", dk_add), ("dlog_alpha_add", dlog_alpha_add)):
+        if t is not None and t.shape != k.shape:
+            raise ValueError(f"{name}: expected shape {tuple(k.shape)} (k's), "
+                             f"got {tuple(t.shape)}")
     k, log_alpha, omega, r = (t.contiguous() for t in (k, log_alpha, omega, r))
     precision, dgain = precision.contiguous(), dgain.contiguous()
     if dprecision is not None:
@@ -188,6 +202,11 @@ def kalman_gain_bwd(
         precision, final_covariance, dprecision, adj_maps, chunk_adj, dprecision0, chunk_offsets,
         **_scan_args(k, nt, heads, key_dim, varlen), HAS_DPRECISION=dprecision is not None,
     )
+    if add:
+        dk_add, dlog_alpha_add = dk_add.contiguous(), dlog_alpha_add.contiguous()
+    else:
+        dk_add = dlog_alpha_add = dgain  # never read
     wrap_triton(_kalman_gain_bwd_kernel)[(nc, heads)](
-        *inputs, prev_cov, chunk_adj, dgain, dk, dlog_alpha, domega, dr, *index, **walk)
+        *inputs, prev_cov, chunk_adj, dgain, dk_add, dlog_alpha_add,
+        dk, dlog_alpha, domega, dr, *index, **walk, ADD=add)
     return dk, dlog_alpha, domega, dr, dprecision0

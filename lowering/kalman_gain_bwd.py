@@ -120,12 +120,14 @@ def _kalman_gain_bwd_chunk_scan_kernel(
 
 @triton.jit
 def _kalman_gain_bwd_kernel(
-    k, log_alpha, omega, r, prev_cov, chunk_adj, dgain,
+    k, log_alpha, omega, r, prev_cov, chunk_adj, dgain, dk_in, dlog_alpha_in,
     dk, dlog_alpha, domega, dr, cu_seqlens, chunk_seq, chunk_offsets,
     info_scale, T, NT, H, K,
     BT: tl.constexpr, BK: tl.constexpr, IS_VARLEN: tl.constexpr, NUM_STAGES: tl.constexpr,
+    ADD: tl.constexpr,
 ):
-    """Gradients of one chunk and head, walking its tokens in reverse."""
+    """Gradients of one chunk and head, walking its tokens in reverse; with ``ADD``,
+    ``dk`` and ``dlog_alpha`` also take ``dk_in`` and ``dlog_alpha_in`` (the memory's)."""
     info_scale = tl.cast(info_scale, tl.float32)  # Inductor passes Python floats as fp64
     i_c, i_h = tl.program_id(0).to(tl.int64), tl.program_id(1)
     t0, eos = _chunk_bounds(i_c, cu_seqlens, chunk_seq, chunk_offsets, T, NT, BT, IS_VARLEN)
@@ -150,8 +152,12 @@ def _kalman_gain_bwd_kernel(
         b_lp = b_lam * (b_ph * b_rho) * (b_ph * b_rho)
         b_mu = b_rho * b_rho * b_lam + b_k * (b_u - b_c * b_k) * b_d
         tl.store(domega + o, b_mu, mask=m)
-        tl.store(dlog_alpha + o, 2.0 * b_a2 * b_prev * b_mu, mask=m)
+        b_dla = 2.0 * b_a2 * b_prev * b_mu
         b_dk = b_ph * (b_u - 2.0 * b_c * b_k) * b_d - 2.0 * info_scale * b_k * b_lp * b_rr
+        if ADD:
+            b_dla += tl.load(dlog_alpha_in + o, mask=m, other=0.0).to(tl.float32)
+            b_dk += tl.load(dk_in + o, mask=m, other=0.0).to(tl.float32)
+        tl.store(dlog_alpha + o, b_dla, mask=m)
         tl.store(dk + o, b_dk, mask=m)
         b_dr = (tl.sum(b_lp * b_i, 0) * b_rr - b_c * b_d) + tl.zeros([1], tl.float32)
         tl.store(dr + t * H + i_h + o_1, b_dr, mask=_token_mask(t, eos, o_1, 1))

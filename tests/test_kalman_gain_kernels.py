@@ -115,6 +115,32 @@ def test_gates_at_extremes():
     check(x, tol=1e-4)
 
 
+def test_backward_adds_given_gradients_of_k_and_log_alpha():
+    """``dk_add``, ``dlog_alpha_add`` (the memory's, in Diag-KDN) are added by the last
+    kernel as it stores: the same sums as adding afterwards, in the dtypes of k and
+    log_alpha (an fp16 k gets its dk rounded once); one without the other is refused."""
+    x = [t.to(DEVICE, torch.float32) for t in gain_inputs(2, 37, 2, 16, seed=11)]
+    x[0] = x[0].half()
+    gen = torch.Generator().manual_seed(12)
+    dgain = torch.randn(x[0].shape, generator=gen).to(DEVICE)
+    dk_add = torch.randn(x[0].shape, generator=gen).to(DEVICE)
+    dla_add = torch.randn(x[0].shape, generator=gen).to(DEVICE)
+    gain, final, *saved = kalman_gain_fwd(*x, None, info_scale=INFO_SCALE)
+    plain = kalman_gain_bwd(*x, None, *saved, dgain, None, info_scale=INFO_SCALE)
+    summed = kalman_gain_bwd(*x, None, *saved, dgain, None, info_scale=INFO_SCALE,
+                             dk_add=dk_add, dlog_alpha_add=dla_add)
+    assert summed[0].dtype == torch.float16 and summed[1].dtype == torch.float32
+    assert_close(summed[0].float(), plain[0].float() + dk_add, 1e-3, "dk")
+    assert_close(summed[1], plain[1] + dla_add, 1e-6, "dlog_alpha")
+    for a, b in zip(summed[2:], plain[2:]):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="dk_add and dlog_alpha_add: give both or neither"):
+        kalman_gain_bwd(*x, None, *saved, dgain, None, info_scale=INFO_SCALE, dk_add=dk_add)
+    with pytest.raises(ValueError, match=r"dlog_alpha_add: expected shape \(2, 37, 2, 16\)"):
+        kalman_gain_bwd(*x, None, *saved, dgain, None, info_scale=INFO_SCALE,
+                        dk_add=dk_add, dlog_alpha_add=dla_add[:, :5])
+
+
 def test_final_precision_matches_token_loop():
     k, log_alpha, omega, r, precision = gain_inputs(2, 45, 1, 16, seed=6)
     q, v = torch.zeros_like(k), torch.zeros(2, 45, 1, 4, dtype=torch.float64)

@@ -177,7 +177,6 @@ def _diag_kdn_backward(inputs, grads, saved):
         dq, dk, dv, dlog_alpha, dgain, dmemory0 = diag_kdn_memory_bwd_op(
             q, k, v, log_alpha, gain, memory, cu_seqlens, inputs["scale"],
             inputs["chunk_size"], *two_key_saved, doutput, dmemory)
-        dk, dlog_alpha = dk.to(dtype), dlog_alpha.to(dtype)
     else:
         with torch.enable_grad():
             leaves = [x.detach().to(dtype).requires_grad_()
@@ -188,13 +187,14 @@ def _diag_kdn_backward(inputs, grads, saved):
                                         allow_unused=True)
         dq, dk, dv, dlog_alpha, dgain, dmemory0 = (
             torch.zeros_like(x) if g is None else g for x, g in zip(leaves, found))
-    dk_gain, dlog_alpha_gain, domega, dr, dprecision0 = kalman_gain_bwd(
-        k.to(dtype), log_alpha.to(dtype), omega, r, precision, cu_seqlens, chunk_cov,
-        final_cov, dgain, dprecision, info_scale=info_scale)
+    # the gain kernel adds the memory's dk, dlog_alpha as it stores its own (in the
+    # dtypes of k, log_alpha)
+    dk, dlog_alpha, domega, dr, dprecision0 = kalman_gain_bwd(
+        k, log_alpha, omega, r, precision, cu_seqlens, chunk_cov, final_cov, dgain, dprecision,
+        info_scale=info_scale, dk_add=dk, dlog_alpha_add=dlog_alpha)
     return {
-        "q": dq.to(q.dtype), "k": (dk + dk_gain).to(k.dtype), "v": dv.to(v.dtype),
-        "log_alpha": (dlog_alpha + dlog_alpha_gain).to(log_alpha.dtype), "omega": domega,
-        "r": dr, "memory": dmemory0.to(memory.dtype), "precision": dprecision0,
+        "q": dq.to(q.dtype), "k": dk, "v": dv.to(v.dtype), "log_alpha": dlog_alpha,
+        "omega": domega, "r": dr, "memory": dmemory0.to(memory.dtype), "precision": dprecision0,
     }
 
 
