@@ -3,7 +3,7 @@
 Times, side by side in one process, at K = V = 128 in bf16 with an fp32 initial
 state and the final state returned:
 
-* forward: ours = ``w = beta k`` (one elementwise op) + :func:`two_key_fwd`;
+* forward: ours = :func:`two_key_fwd` with ``beta`` (the kernels form ``w = beta k``);
   FLA = ``fla.ops.kda.chunk_kda(..., output_final_state=True)``;
 * forward + backward of a random output gradient: ours adds :func:`two_key_bwd`
   with the ``beta`` chain rule in its kernels (``dbeta = sum(dw k)``, ``dk += beta
@@ -50,15 +50,14 @@ def make_inputs(B, T, H, K=128, V=128, dtype=torch.bfloat16, seed=0):
 
 
 def ours_fwd(q, k, v, g, beta, h0, scale):
-    w = beta[..., None] * k
-    return two_key_fwd(q, k, w, v, g, h0, None, chunk_size=64, scale=scale, state_v_first=False)
+    return two_key_fwd(q, k, None, v, g, h0, None, chunk_size=64, scale=scale,
+                       state_v_first=False, beta=beta)
 
 
 def ours_fwd_bwd(q, k, v, g, beta, h0, scale, do):
-    w = beta[..., None] * k
-    o, final, *saved = two_key_fwd(q, k, w, v, g, h0, None, chunk_size=64, scale=scale,
+    o, final, *saved = two_key_fwd(q, k, None, v, g, h0, None, chunk_size=64, scale=scale,
                                    state_v_first=False)
-    dq, dk, dbeta, dv, dg, dh0 = two_key_bwd(q, k, w, v, g, h0, None, *saved, do, None,
+    dq, dk, dbeta, dv, dg, dh0 = two_key_bwd(q, k, None, v, g, h0, None, *saved, do, None,
                                              chunk_size=64, scale=scale, state_v_first=False,
                                              beta=beta)
     return dq, dk, dv, dg, dbeta, dh0

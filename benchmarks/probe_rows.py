@@ -57,14 +57,13 @@ def main() -> None:
     args = parser.parse_args()
     B, T, H = (int(s) for s in args.shape.split("x"))
     q, k, v, g, beta, _ = make_inputs(B, T, H)
-    w = k * beta[..., None]
-    kw = dict(chunk_size=64, scale=128 ** -0.5, state_v_first=False)
-    saved = two_key_fwd(q, k, w, v, g, None, None, **kw)[2:]
+    kw = dict(chunk_size=64, scale=128 ** -0.5, state_v_first=False, beta=beta)
+    saved = two_key_fwd(q, k, None, v, g, None, None, **kw)[2:]
     do = torch.randn_like(v)
 
     def timed(bwd):
         return triton.testing.do_bench(
-            lambda: bwd(q, k, w, v, g, None, None, *saved, do, None, beta=beta, **kw))
+            lambda: bwd(q, k, None, v, g, None, None, *saved, do, None, **kw))
 
     print(f"two_key_bwd at {args.shape}, K = V = 128, bf16, ms (do_bench median)")
     print("| rows kernel without | bwd ms | real bwd ms | saved ms |")

@@ -60,17 +60,16 @@ def one(kernel: str, shape: str, config: dict) -> dict:
     module = importlib.import_module(f"kdn_compile.lowering.{module_name}")
     B, T, H = (int(s) for s in shape.split("x"))
     q, k, v, g, beta, _ = make_inputs(B, T, H)
-    w = k * beta[..., None]
-    kw = dict(chunk_size=64, scale=128 ** -0.5, state_v_first=False)
+    kw = dict(chunk_size=64, scale=128 ** -0.5, state_v_first=False, beta=beta)
     if module_name == "two_key_fwd":
         def run():
-            return two_key_fwd(q, k, w, v, g, None, None, **kw)[:1]
+            return two_key_fwd(q, k, None, v, g, None, None, **kw)[:1]
     else:
-        saved = two_key_fwd(q, k, w, v, g, None, None, **kw)[2:]
+        saved = two_key_fwd(q, k, None, v, g, None, None, **kw)[2:]
         do = torch.randn_like(v)
 
         def run():
-            grads = two_key_bwd(q, k, w, v, g, None, None, *saved, do, None, beta=beta, **kw)
+            grads = two_key_bwd(q, k, None, v, g, None, None, *saved, do, None, **kw)
             return grads[0], grads[1], grads[4]
 
     # compile both configurations outside the lock, then run and time under it

@@ -37,6 +37,7 @@ from kdn_compile.lowering.two_key_common import (
     LOG_DECAY_BOUND,
     check_decay_floor,
     compute_dtype,
+    load_write_key,
     load_block,
     load_row,
     load_rows,
@@ -45,6 +46,7 @@ from kdn_compile.lowering.two_key_common import (
     sequence_bounds,
     store_rows,
     store_tile,
+    write_key_args,
 )
 
 
@@ -186,7 +188,7 @@ def _two_key_bwd_rows_kernel(
     b_c = load_tile(c, ti, o_r, m_r, i_h, o_k, Hv, K)
     b_q = load_tile(q, ti, o_r, m_r, i_hk, o_k, Hk, K)
     b_k = load_tile(k, ti, o_r, m_r, i_hk, o_k, Hk, K)
-    b_w = load_tile(w, ti, o_r, m_r, i_h, o_k, Hv, K)
+    b_w = load_write_key(w, k, beta, ti, o_r, m_r, i_h, i_hk, o_k, Hk, Hv, K, HAS_BETA)
 
     # Pair terms against the earlier blocks' columns (one product, factored about this
     # block's first row) and the later blocks' rows (factored about its last row): all
@@ -198,8 +200,8 @@ def _two_key_bwd_rows_kernel(
         m_j = (o_t < i_i * BC) & (t0 + o_t < eos)
         b_cf = tl.load(c + (ti * Hv + i_h) * K + o_k)
         b_ct = load_tile(c, t0, o_t, m_j, i_h, o_k, Hv, K)
-        b_wt = tl.where(m_j[:, None],
-                        load_tile(w, t0, o_t, m_j, i_h, o_k, Hv, K) * tl.exp(b_cf[None, :] - b_ct), 0.0)
+        b_wt = load_write_key(w, k, beta, t0, o_t, m_j, i_h, i_hk, o_k, Hk, Hv, K, HAS_BETA)
+        b_wt = tl.where(m_j[:, None], b_wt * tl.exp(b_cf[None, :] - b_ct), 0.0)
         b_f = tl.where(m_r[:, None], tl.exp(b_c - b_cf[None, :]), 0.0)
         p_d = (ti * Hv + i_h) * BT + (o_r[:, None] * (Hv * BT) + o_t[None, :])
         m_d = m_r[:, None] & (o_t[None, :] < i_i * BC)
@@ -363,9 +365,10 @@ def two_key_bwd(
         dht: gradient of the final state (its layout) or None.
         chunk_size, scale, state_v_first, log_decay_floor: as for the forward
             (``dlog_decay`` is zero where ``log_decay < log_decay_floor``).
-        beta: ``[B, T, Hv]`` or None. Given (KDA, where ``w = beta k``), the
-            chain through ``w`` happens in the kernels: ``dk`` includes ``beta dw``
-            and the third output is ``dbeta = sum_K dw k`` in place of ``dw``.
+        beta: ``[B, T, Hv]`` or None: KDA's ``w = beta k`` in place of ``w`` (give one
+            of them, as to the forward). The kernels form ``w`` and chain through it:
+            ``dk`` includes ``beta dw`` and the third output is ``dbeta = sum_K dw k``
+            in place of ``dw``.
 
     Returns:
         ``(dq, dk, dw, dv, dlog_decay, dh0)`` (``dbeta`` for ``dw`` when ``beta`` is
@@ -375,14 +378,12 @@ def two_key_bwd(
 
     Raises:
         ValueError: inputs that :func:`two_key_kernel_supports` does not cover,
-            ``log_decay_floor`` outside ``[LOG_DECAY_BOUND, 0]``, or ``beta`` not a
-            float ``[B, T, Hv]`` tensor.
+            ``log_decay_floor`` outside ``[LOG_DECAY_BOUND, 0]``, both or neither of
+            ``w`` and ``beta``, or a ``beta`` not a float ``[B, T, Hv]`` tensor.
     """
     require_two_key_kernels(q, v, chunk_size)
     floor = check_decay_floor(log_decay_floor)
-    if beta is not None and (beta.shape != v.shape[:3] or not beta.is_floating_point()):
-        raise ValueError(f"beta: expected a float tensor of shape {tuple(v.shape[:3])} "
-                         f"([B, T, Hv]), got {beta.dtype} of shape {tuple(beta.shape)}")
+    wf, betaf = write_key_args(w, beta, k, v)
     batch, length, hk, key_dim = q.shape
     hv, value_dim = v.shape[2], v.shape[3]
     dt = compute_dtype(q.dtype)
@@ -391,8 +392,8 @@ def two_key_bwd(
     num_chunks = chunk_seq.shape[0] - 1  # its spare last entry: see chunk_map
     bounds, _ = sequence_bounds(batch, length, cu_seqlens, q.device)
     tokens = batch * length
-    qf, kf, wf, gf, dof = (t.reshape(tokens, t.shape[-2], t.shape[-1]).contiguous()
-                           for t in (q, k, w, log_decay, do))
+    qf, kf, gf, dof = (t.reshape(tokens, t.shape[-2], t.shape[-1]).contiguous()
+                       for t in (q, k, log_decay, do))
     dh = q.new_empty((num_chunks, hv, key_dim, value_dim), dtype=dt)
     dv32 = q.new_empty((tokens, hv, value_dim), dtype=torch.float32)
     state_shape = (num_seqs, hv, value_dim, key_dim) if state_v_first else (
@@ -428,10 +429,10 @@ def two_key_bwd(
     dc = q.new_empty((tokens, hv, key_dim), dtype=torch.float32)
     wds = q.new_empty((num_chunks * (BT // BC), hv, key_dim), dtype=torch.float32)
     if beta is None:
-        dw, dbeta, betaf = w.new_empty((tokens, hv, key_dim)), dc, dc  # dc: never read
+        dw, dbeta = w.new_empty((tokens, hv, key_dim)), dc  # dbeta: never written
     else:
         dbeta = q.new_empty((tokens, hv, nk), dtype=torch.float32)
-        dw, betaf = dk, beta.reshape(tokens, hv).contiguous()  # dw: never written
+        dw = dk  # never written
     dvo = dv32 if v.dtype == torch.float32 else v.new_empty((tokens, hv, value_dim))
     wrap_triton(_two_key_bwd_rows_kernel)[(num_chunks * (BT // BC), nk, hv)](
         qf, kf, wf, c, h, dh, x, dof, dv32, dascr, drscr, betaf,

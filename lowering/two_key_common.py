@@ -141,6 +141,41 @@ def load_tile(ptr, t, o_r, m_r, i_h, o_d, H: tl.constexpr, D: tl.constexpr):
 
 
 @triton.jit
+def load_write_key(w, k, beta, t, o_r, m_r, i_h, i_hk, o_d, Hk: tl.constexpr, Hv: tl.constexpr,
+                   K: tl.constexpr, HAS_BETA: tl.constexpr):
+    """Rows ``t + o_r``, columns ``o_d`` of value head ``i_h``'s write key as float32:
+    ``beta k`` formed here with ``HAS_BETA`` (KDA; ``k`` of key head ``i_hk``,
+    ``beta [tokens, Hv]``), else ``w`` as stored."""
+    if HAS_BETA:
+        p_b = (t + o_r).to(tl.int64) * Hv + i_h
+        b_beta = tl.load(beta + p_b, mask=m_r, other=0.0).to(tl.float32)
+        return load_tile(k, t, o_r, m_r, i_hk, o_d, Hk, K) * b_beta[:, None]
+    else:
+        return load_tile(w, t, o_r, m_r, i_h, o_d, Hv, K)
+
+
+def write_key_args(w, beta, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The write key's kernel arguments ``(w, beta)``, token-major: exactly one of ``w``
+    (``[B, T, Hv, K]``) and ``beta`` (``[B, T, Hv]``, KDA's ``w = beta k``) is given;
+    the other slot gets the (unread) token-major ``k``.
+
+    Raises:
+        ValueError: both or neither given, or a ``beta`` not a float ``[B, T, Hv]``.
+    """
+    if (w is None) == (beta is None):
+        raise ValueError("w, beta: give exactly one (w for any write key, beta for KDA's "
+                         f"w = beta k), got {type(w).__name__} and {type(beta).__name__}")
+    tokens, hv = v.shape[0] * v.shape[1], v.shape[2]
+    kf = k.reshape(tokens, k.shape[2], k.shape[3]).contiguous()
+    if beta is None:
+        return w.reshape(tokens, hv, w.shape[-1]).contiguous(), kf
+    if beta.shape != v.shape[:3] or not beta.is_floating_point():
+        raise ValueError(f"beta: expected a float tensor of shape {tuple(v.shape[:3])} "
+                         f"([B, T, Hv]), got {beta.dtype} of shape {tuple(beta.shape)}")
+    return kf, beta.reshape(tokens, hv).contiguous()
+
+
+@triton.jit
 def load_rows(ptr, t, o_r, m_r, i_h, H: tl.constexpr, D: tl.constexpr):
     """:func:`load_tile` of every column."""
     return load_tile(ptr, t, o_r, m_r, i_h, tl.arange(0, D), H, D)

@@ -40,11 +40,13 @@ from kdn_compile.lowering.two_key_common import (
     load_row,
     load_rows,
     load_tile,
+    load_write_key,
     num_chunks_bound,
     require_two_key_kernels,
     sequence_bounds,
     store_block,
     store_tile,
+    write_key_args,
 )
 
 
@@ -65,9 +67,10 @@ def _row_of(b_x, r):
 
 @triton.jit
 def _two_key_fwd_decay_kernel(
-    q, k, w, g, c, qd, kd, wl,
+    q, k, w, beta, g, c, qd, kd, wl,
     cu_seqlens, chunk_seq, chunk_first, N, floor,
     Hk: tl.constexpr, Hv: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+    HAS_BETA: tl.constexpr,
 ):
     """The in-chunk cumulative log decay ``c`` (of ``g`` floored at ``floor``) and ``q e^c``,
     ``k e^c``, ``w e^{c_last - c}`` of one chunk, key slice and value head."""
@@ -91,7 +94,8 @@ def _two_key_fwd_decay_kernel(
     store_tile(qd, load_tile(q, t0, o_t, m_t, i_hk, o_k, Hk, K) * b_e, t0, o_t, m_t, i_h, o_k, Hv, K)
     store_tile(kd, load_tile(k, t0, o_t, m_t, i_hk, o_k, Hk, K) * b_e, t0, o_t, m_t, i_h, o_k, Hv, K)
     b_el = tl.exp(_row_of(b_c, BT - 1)[None, :] - b_c)
-    store_tile(wl, load_tile(w, t0, o_t, m_t, i_h, o_k, Hv, K) * b_el, t0, o_t, m_t, i_h, o_k, Hv, K)
+    b_w = load_write_key(w, k, beta, t0, o_t, m_t, i_h, i_hk, o_k, Hk, Hv, K, HAS_BETA)
+    store_tile(wl, b_w * b_el, t0, o_t, m_t, i_h, o_k, Hv, K)
 
 
 @triton.jit
@@ -116,10 +120,11 @@ def _diag_half(b_k, b_q, b_w, b_c, b_cr, m_r, start, acc_a, acc_r, DOT_PREC: tl.
 
 @triton.jit
 def _two_key_fwd_pairs_kernel(
-    q, k, w, c, ascr, rmat,
+    q, k, w, beta, c, ascr, rmat,
     cu_seqlens, chunk_seq, chunk_first, N,
     Hk: tl.constexpr, Hv: tl.constexpr, K: tl.constexpr,
-    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, DOT_PREC: tl.constexpr,
+    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, HAS_BETA: tl.constexpr,
+    DOT_PREC: tl.constexpr,
 ):
     i_c, i_i, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_hk = i_h // (Hv // Hk)
@@ -150,7 +155,7 @@ def _two_key_fwd_pairs_kernel(
         b_c = load_tile(c, ti, o_r, m_r, i_h, o_k, Hv, K)
         b_k = load_tile(k, ti, o_r, m_r, i_hk, o_k, Hk, K)
         b_q = load_tile(q, ti, o_r, m_r, i_hk, o_k, Hk, K)
-        b_w = load_tile(w, ti, o_r, m_r, i_h, o_k, Hv, K)
+        b_w = load_write_key(w, k, beta, ti, o_r, m_r, i_h, i_hk, o_k, Hk, Hv, K, HAS_BETA)
         # the diagonal block, one half of its columns at a time
         b_cr = tl.load(c + (tl.minimum(ti + BC // 4 - 1, last) * Hv + i_h) * K + o_k)
         d_a, d_r = _diag_half(b_k, b_q, b_w, b_c, b_cr, m_r, 0, d_a, d_r, DOT_PREC)
@@ -160,7 +165,7 @@ def _two_key_fwd_pairs_kernel(
             b_cf = tl.load(c + (ti * Hv + i_h) * K + o_k)
             b_f = tl.where(m_r[:, None], tl.exp(b_c - b_cf[None, :]), 0.0)
             b_ct = load_tile(c, t0, o_t, m_j, i_h, o_k, Hv, K)
-            b_wt = load_tile(w, t0, o_t, m_j, i_h, o_k, Hv, K)
+            b_wt = load_write_key(w, k, beta, t0, o_t, m_j, i_h, i_hk, o_k, Hk, Hv, K, HAS_BETA)
             b_wt = tl.trans(tl.where(m_j[:, None], b_wt * tl.exp(b_cf[None, :] - b_ct), 0.0))
             acc_a = tl.dot(b_k * b_f, b_wt, acc_a, input_precision=DOT_PREC)
             acc_r = tl.dot(b_q * b_f, b_wt, acc_r, input_precision=DOT_PREC)
@@ -360,13 +365,15 @@ def two_key_fwd(
     scale: float,
     state_v_first: bool,
     log_decay_floor: float = LOG_DECAY_BOUND,
+    beta: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """Chunked two-key delta rule with per-key decay on the GPU (or the Triton interpreter).
 
     Args:
         q, k: ``[B, T, Hk, K]`` read and erase keys; value head ``h`` reads key
             head ``h // (Hv // Hk)`` (the repeat is never materialized).
-        w: ``[B, T, Hv, K]`` write keys (``beta k`` for KDA, the Kalman gain for Diag-KDN).
+        w: ``[B, T, Hv, K]`` write keys (the Kalman gain for Diag-KDN), or None with
+            ``beta``.
         v: ``[B, T, Hv, V]`` values.
         log_decay: ``[B, T, Hv, K]`` natural-log decays, any float dtype; the
             kernels floor them at ``log_decay_floor`` as they read them.
@@ -377,6 +384,8 @@ def two_key_fwd(
         state_v_first: layout of ``initial_state`` and the final state.
         log_decay_floor: the floor of ``log_decay``, in ``[LOG_DECAY_BOUND, 0]``
             (``LOG_DECAY_BOUND = -20``: see :mod:`two_key_common`).
+        beta: ``[B, T, Hv]`` or None: KDA's write key ``w = beta k``, formed in the
+            kernels (give ``w`` or ``beta``, not both).
 
     Returns:
         ``(o, final_state, c, qd, kd, wl, tmat, rmat, h, x, chunk_seq, chunk_first)``:
@@ -388,13 +397,15 @@ def two_key_fwd(
         ``x``; the chunk map.
 
     Raises:
-        ValueError: inputs that :func:`two_key_kernel_supports` does not cover, or
-            ``log_decay_floor`` outside ``[LOG_DECAY_BOUND, 0]``.
+        ValueError: inputs that :func:`two_key_kernel_supports` does not cover,
+            ``log_decay_floor`` outside ``[LOG_DECAY_BOUND, 0]``, both or neither of
+            ``w`` and ``beta``, or a ``beta`` not a float ``[B, T, Hv]`` tensor.
 
     Source of the math: :func:`kdn_compile.reference.two_key_chunk_recurrence`.
     """
     require_two_key_kernels(q, v, chunk_size)
     floor = check_decay_floor(log_decay_floor)
+    wf, betaf = write_key_args(w, beta, k, v)
     batch, length, hk, key_dim = q.shape
     hv, value_dim = v.shape[2], v.shape[3]
     dt = compute_dtype(q.dtype)
@@ -402,7 +413,7 @@ def two_key_fwd(
     bounds, num_seqs = sequence_bounds(batch, length, cu_seqlens, q.device)
     num_chunks = num_chunks_bound(batch, length, num_seqs, cu_seqlens is not None)
     chunk_seq, chunk_first = chunk_map(bounds, num_chunks)
-    qf, kf, wf, vf, gf = (_tokens_major(t) for t in (q, k, w, v, log_decay))
+    qf, kf, vf, gf = (_tokens_major(t) for t in (q, k, v, log_decay))
     tokens = batch * length
     c = q.new_empty((tokens, hv, key_dim), dtype=torch.float32)
     qd, kd, wl = (q.new_empty((tokens, hv, key_dim), dtype=dt) for _ in range(3))
@@ -424,15 +435,16 @@ def two_key_fwd(
     h0 = initial_state.contiguous() if initial_state is not None else final_state
 
     wrap_triton(_two_key_fwd_decay_kernel)[(num_chunks, key_dim // min(64, key_dim), hv)](
-        qf, kf, wf, gf, c, qd, kd, wl,
+        qf, kf, wf, betaf, gf, c, qd, kd, wl,
         bounds, chunk_seq, chunk_first, num_seqs, floor,
-        Hk=hk, Hv=hv, K=key_dim, BT=BT, BK=min(64, key_dim), num_warps=4, num_stages=1,
+        Hk=hk, Hv=hv, K=key_dim, BT=BT, BK=min(64, key_dim), HAS_BETA=beta is not None,
+        num_warps=4, num_stages=1,
     )
     wrap_triton(_two_key_fwd_pairs_kernel)[(num_chunks, BT // BC, hv)](
-        qf, kf, wf, c, ascr, rmat,
+        qf, kf, wf, betaf, c, ascr, rmat,
         bounds, chunk_seq, chunk_first, num_seqs,
         Hk=hk, Hv=hv, K=key_dim, BT=BT, BC=BC, BK=min(PAIRS_LAUNCH["BK"], key_dim),
-        DOT_PREC=prec, num_warps=PAIRS_LAUNCH["num_warps"],
+        HAS_BETA=beta is not None, DOT_PREC=prec, num_warps=PAIRS_LAUNCH["num_warps"],
         num_stages=PAIRS_LAUNCH["num_stages"],
     )
     wrap_triton(_two_key_fwd_solve_kernel)[(num_chunks, hv)](

@@ -435,8 +435,48 @@ def test_decay_floor_outside_the_bound_is_refused(floor):
 
 @pytest.mark.parametrize("beta", [torch.rand(1, 8, 2), torch.ones(1, 8, 1, dtype=torch.int64)],
                          ids=["shape", "dtype"])
-def test_backward_beta_of_the_wrong_shape_or_dtype_is_refused(beta):
+def test_beta_of_the_wrong_shape_or_dtype_is_refused(beta):
     q = torch.zeros(1, 8, 1, 16)
+    kw = dict(chunk_size=64, scale=1.0, state_v_first=False, beta=beta)
     with pytest.raises(ValueError, match=r"beta: expected a float tensor of shape \(1, 8, 1\)"):
-        two_key_bwd(q, q, q, q, q, None, None, *([None] * 10), q, None, chunk_size=64,
-                    scale=1.0, state_v_first=False, beta=beta)
+        two_key_fwd(q, q, None, q, q, None, None, **kw)
+    with pytest.raises(ValueError, match=r"beta: expected a float tensor of shape \(1, 8, 1\)"):
+        two_key_bwd(q, q, None, q, q, None, None, *([None] * 10), q, None, **kw)
+
+
+@pytest.mark.parametrize("w_given", [True, False], ids=["both", "neither"])
+def test_exactly_one_of_w_and_beta(w_given):
+    q = torch.zeros(1, 8, 1, 16)
+    kw = dict(chunk_size=64, scale=1.0, state_v_first=False,
+              beta=torch.rand(1, 8, 1) if w_given else None)
+    with pytest.raises(ValueError, match="w, beta: give exactly one"):
+        two_key_fwd(q, q, q if w_given else None, q, q, None, None, **kw)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter case runs without CUDA")
+def test_interpreter_beta_forms_the_write_key(poisoned):
+    """KDA's ``beta`` (the kernels form ``w = beta k`` and chain through it) against
+    the same call with ``w = beta k`` given: ``o``, final state, ``dq``, ``dv``, ``dg``
+    agree and ``dk``, ``dbeta`` are the chain rule of ``dk``, ``dw`` (grouped heads)."""
+    x = two_key_inputs(1, 70, 1, 2, 16, 16)
+    gen = torch.Generator().manual_seed(9)
+    beta = torch.rand(1, 70, 2, generator=gen, dtype=torch.float64)
+    k = x["k"]
+    w = k.repeat_interleave(2, 2) * beta[..., None]
+    f = {n: t.float() if t is not None else None for n, t in x.items()}
+    kw = dict(chunk_size=64, scale=0.3, state_v_first=False)
+    do = torch.randn(1, 70, 2, 16, generator=gen)
+    args = (f["q"], f["k"])
+    rest = (f["v"], f["log_decay"], f["initial_state"], None)
+    o_w, s_w, *saved_w = two_key_fwd(*args, w.float(), *rest, **kw)
+    o_b, s_b, *saved_b = two_key_fwd(*args, None, *rest, beta=beta.float(), **kw)
+    assert_close(o_b, o_w, FP32_TOL, "o")
+    assert_close(s_b, s_w, FP32_TOL, "final state")
+    g_w = two_key_bwd(*args, w.float(), *rest, *saved_w, do, None, **kw)
+    g_b = two_key_bwd(*args, None, *rest, *saved_b, do, None, beta=beta.float(), **kw)
+    dw = g_w[2].double()
+    dk = g_w[1].double() + (dw * beta[..., None]).view(1, 70, 1, 2, 16).sum(3)
+    dbeta = (dw * k.repeat_interleave(2, 2)).sum(-1)
+    for name, got, want in (("dq", g_b[0], g_w[0]), ("dk", g_b[1], dk), ("dbeta", g_b[2], dbeta),
+                            ("dv", g_b[3], g_w[3]), ("dg", g_b[4], g_w[4]), ("dh0", g_b[5], g_w[5])):
+        assert_close(got.double(), want.double(), FP32_TOL, name)

@@ -2,8 +2,8 @@
 
 * ``kdn::chunk_kda`` (triton_op) and ``kdn::chunk_kda_reference``: where the
   two-key Triton kernels of ``lowering/two_key_*.py`` cover the inputs (see
-  :func:`_kda_kernels`) the op forms the write key ``w = beta k`` and launches
-  them; its gradients then come from ``kdn::chunk_kda_bwd`` (triton_op), which
+  :func:`_kda_kernels`) the op launches them with ``beta`` (the kernels form the
+  write key ``w = beta k`` as they read it); its gradients then come from ``kdn::chunk_kda_bwd`` (triton_op), which
   runs the backward kernels on the forward's saved tensors. Elsewhere both take
   the reference.
 
@@ -81,14 +81,6 @@ def _kda_kernels(q, v, chunk_size) -> bool:
 # float32 can show; its gradient is zero where it applies (the true one is below 2e-9).
 
 
-def _write_key(k: Tensor, beta: Tensor) -> Tensor:
-    """``w = beta k`` per value head, ``[B, T, Hv, K]`` (grouped without repeating k)."""
-    b, t, hk, key_dim = k.shape
-    group = beta.shape[2] // hk
-    w = k[:, :, :, None, :] * beta.view(b, t, hk, group, 1).to(k.dtype)
-    return w.reshape(b, t, hk * group, key_dim)
-
-
 @torch.library.triton_op("kdn::chunk_kda", mutates_args=())
 def chunk_kda_op(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
@@ -103,9 +95,9 @@ def chunk_kda_op(
     """
     if _kda_kernels(q, v, chunk_size):
         return two_key_fwd(
-            q, k, _write_key(k, beta), v, g, initial_state, cu_seqlens,
+            q, k, None, v, g, initial_state, cu_seqlens,
             chunk_size=chunk_size, scale=scale, state_v_first=state_v_first,
-            log_decay_floor=LOG_DECAY_BOUND,
+            log_decay_floor=LOG_DECAY_BOUND, beta=beta,
         )
     o, final_state = torch.ops.kdn.chunk_kda_reference(
         q, k, v, g, beta, initial_state, cu_seqlens, chunk_size, scale, state_v_first
@@ -125,12 +117,12 @@ def chunk_kda_bwd_op(
     """Gradients of ``kdn::chunk_kda`` on its kernel path: ``(dq, dk, dv, dg, dbeta, dh0)``.
 
     Takes the forward's inputs and its :data:`SAVED` outputs (nothing is
-    recomputed but ``w = beta k``); the kernels chain ``w = beta k`` (``dk`` gets
+    recomputed); the kernels chain ``w = beta k`` (``dk`` gets
     ``beta dw``, ``dbeta = sum_K dw k``) and the gate's floor. ``grad_state`` may be
     None (zero); ``dh0`` is an empty tensor when ``initial_state`` is None.
     """
     dq, dk, dbeta, dv, dg, dh0 = two_key_bwd(
-        q, k, _write_key(k, beta), v, g, initial_state, cu_seqlens,
+        q, k, None, v, g, initial_state, cu_seqlens,
         c, qd, kd, wl, tmat, rmat, h, x, chunk_seq, chunk_first, grad_o, grad_state,
         chunk_size=chunk_size, scale=scale, state_v_first=state_v_first,
         log_decay_floor=LOG_DECAY_BOUND, beta=beta,
