@@ -370,6 +370,38 @@ def test_diag_kdn_op_memory_kernels_match_reference(varlen, monkeypatch):
         assert_close(ours[name].grad, theirs[name].grad, FP32_TOL, f"grad {name}")
 
 
+def test_diag_kdn_op_half_keys_and_values():
+    """``kdn::diag_kdn`` with ``q, k, v`` in half precision (as the DiagKDN layer passes
+    them with half activations) and float32 noise, memory and precision: the gain and
+    memory kernels against the float64 reference, every output and gradient (bf16 on
+    CUDA; fp16 in the interpreter, whose bf16 products are wrong)."""
+    import kdn_compile
+    from _helpers import kdn_inputs
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    half = torch.bfloat16 if device == "cuda" else torch.float16
+    K = 64 if device == "cpu" else 128
+    x = kdn_inputs(B=1, T=100, H=2, K=K, V=K, N=1, seed=7)
+    ours = {n: t.detach().to(device, half if n in ("q", "k", "v") else torch.float32)
+            .requires_grad_() for n, t in x.items()}
+    theirs = {n: t.detach().to(device).requires_grad_() for n, t in x.items()}
+    kw = dict(scale=K ** -0.5, info_scale=1.0, chunk_size=64)
+    with kdn_compile.use_backend("triton"):
+        out = kdn_compile.diag_kdn(**ours, **kw)
+    with kdn_compile.use_backend("reference"):
+        ref_out = kdn_compile.diag_kdn(**theirs, **kw)
+    gen = torch.Generator().manual_seed(8)
+    grads = [torch.randn(o.shape, generator=gen, dtype=torch.float64).to(device) for o in ref_out]
+    torch.autograd.backward(out, [g.to(o.dtype) for g, o in zip(grads, out)])
+    torch.autograd.backward(ref_out, grads)
+    assert out[0].dtype == half and out[1].dtype == torch.float32
+    for name, a, b in zip(("output", "memory", "precision"), out, ref_out):
+        assert_close(a, b, HALF_TOL, name)
+    for name in x:
+        tol = HALF_GATE_GRAD_TOL if name == "log_alpha" else HALF_TOL
+        assert_close(ours[name].grad, theirs[name].grad, tol, f"grad {name}")
+
+
 def test_chunk_kda_op_floors_gates_below_the_kernel_bound():
     """Gates far below ``LOG_DECAY_BOUND`` (e.g. -60, a KDA layer at the top of its
     init range) give finite results equal to the reference's, with zero ``dg`` there."""
