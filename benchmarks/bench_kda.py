@@ -7,8 +7,7 @@ state and the final state returned:
   FLA = ``fla.ops.kda.chunk_kda(..., output_final_state=True)``;
 * forward + backward of a random output gradient: ours adds :func:`two_key_bwd`
   with the ``beta`` chain rule in its kernels (``dbeta = sum(dw k)``, ``dk += beta
-  dw``); FLA
-  through autograd; "op" is ``kdn_compile.chunk_kda`` through autograd (its
+  dw``); FLA through autograd; "op" is ``kdn_compile.chunk_kda`` through autograd (its
   backward reuses the tensors that its forward saved);
 * Diag-KDN: ``kdn_compile.diag_kdn`` (Kalman gains, then the same two-key
   memory kernels) forward and forward + backward through autograd, on the same

@@ -11,8 +11,6 @@ run their reference ops under every backend.
 
 from __future__ import annotations
 
-import math
-
 from typing import Callable
 
 import torch
@@ -38,9 +36,7 @@ def _scale(scale, q: torch.Tensor) -> float:
         return q.shape[-1] ** -0.5
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):
         raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
-    if isinstance(scale, float) and not torch.compiler.is_compiling() and not math.isfinite(scale):
-        raise ValueError(f"scale must be finite, got {scale}")  # eagerly: see check_float
-    return float(scale)
+    return check_float("scale", scale)  # finite (eagerly)
 
 
 def _contiguous(cu_seqlens: torch.Tensor | None) -> torch.Tensor | None:

@@ -46,6 +46,7 @@ from kdn_compile.lowering.two_key_common import (
     sequence_bounds,
     store_rows,
     store_tile,
+    tokens_major,
     write_key_args,
 )
 
@@ -392,8 +393,7 @@ def two_key_bwd(
     num_chunks = chunk_seq.shape[0] - 1  # its spare last entry: see chunk_map
     bounds, _ = sequence_bounds(batch, length, cu_seqlens, q.device)
     tokens = batch * length
-    qf, kf, gf, dof = (t.reshape(tokens, t.shape[-2], t.shape[-1]).contiguous()
-                       for t in (q, k, log_decay, do))
+    qf, kf, gf, dof = (tokens_major(t) for t in (q, k, log_decay, do))
     dh = q.new_empty((num_chunks, hv, key_dim, value_dim), dtype=dt)
     dv32 = q.new_empty((tokens, hv, value_dim), dtype=torch.float32)
     state_shape = (num_seqs, hv, value_dim, key_dim) if state_v_first else (

@@ -23,10 +23,11 @@ Bound relied on: every per-token log decay ``g >= LOG_DECAY_BOUND = -20``
 token the diagonal blocks overflow, so the kernels floor ``g`` themselves at a
 ``log_decay_floor >= LOG_DECAY_BOUND`` as they load it (KDA: the bound; Diag-KDN:
 its memory floor ``log(1e-6) = -13.8``) and the backward gives zero ``dg`` where
-``g`` sits below the floor (the floor's gradient). All chunk algebra runs in float32. Products take the kernels'
-``DOT_PREC`` (:func:`~kdn_compile.lowering._launch.dot_precision`): with bf16/fp16
-inputs their operands are the input dtype or tf32 (tensor cores); with fp32
-inputs every product is exact fp32 (``"ieee"``, no tf32). ``T = (I + A)^-1`` is
+``g`` sits below the floor (the floor's gradient). All chunk algebra runs in
+float32. Products take the kernels' ``DOT_PREC``
+(:func:`~kdn_compile.lowering._launch.dot_precision`): with bf16/fp16 inputs their
+operands are the input dtype or tf32 (tensor cores); with fp32 inputs every
+product is exact fp32 (``"ieee"``, no tf32). ``T = (I + A)^-1`` is
 formed in exact fp32 for every dtype.
 
 Packed sequences: every kernel reads ``cu_seqlens`` on the device. Chunks are
@@ -48,6 +49,11 @@ BC = 16  # sub-block of the intra-chunk algebra (smallest tensor-core tile)
 LOG_DECAY_BOUND = -20.0
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def tokens_major(t: torch.Tensor) -> torch.Tensor:
+    """``[B, T, H, D]`` as a contiguous token-major ``[B * T, H, D]`` (what the kernels index)."""
+    return t.reshape(-1, t.shape[-2], t.shape[-1]).contiguous()
 
 
 def check_decay_floor(log_decay_floor: float) -> float:
@@ -166,9 +172,9 @@ def write_key_args(w, beta, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Ten
         raise ValueError("w, beta: give exactly one (w for any write key, beta for KDA's "
                          f"w = beta k), got {type(w).__name__} and {type(beta).__name__}")
     tokens, hv = v.shape[0] * v.shape[1], v.shape[2]
-    kf = k.reshape(tokens, k.shape[2], k.shape[3]).contiguous()
+    kf = tokens_major(k)
     if beta is None:
-        return w.reshape(tokens, hv, w.shape[-1]).contiguous(), kf
+        return tokens_major(w), kf
     if beta.shape != v.shape[:3] or not beta.is_floating_point():
         raise ValueError(f"beta: expected a float tensor of shape {tuple(v.shape[:3])} "
                          f"([B, T, Hv]), got {beta.dtype} of shape {tuple(beta.shape)}")

@@ -46,6 +46,7 @@ from kdn_compile.lowering.two_key_common import (
     sequence_bounds,
     store_block,
     store_tile,
+    tokens_major,
     write_key_args,
 )
 
@@ -348,10 +349,6 @@ def _two_key_fwd_output_kernel(
     tl.store(o + p_x, (scale * b_o).to(o.dtype.element_ty), mask=m_t[:, None])
 
 
-def _tokens_major(t: torch.Tensor) -> torch.Tensor:
-    return t.reshape(-1, t.shape[-2], t.shape[-1]).contiguous()
-
-
 def two_key_fwd(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -413,7 +410,7 @@ def two_key_fwd(
     bounds, num_seqs = sequence_bounds(batch, length, cu_seqlens, q.device)
     num_chunks = num_chunks_bound(batch, length, num_seqs, cu_seqlens is not None)
     chunk_seq, chunk_first = chunk_map(bounds, num_chunks)
-    qf, kf, vf, gf = (_tokens_major(t) for t in (q, k, v, log_decay))
+    qf, kf, vf, gf = (tokens_major(t) for t in (q, k, v, log_decay))
     tokens = batch * length
     c = q.new_empty((tokens, hv, key_dim), dtype=torch.float32)
     qd, kd, wl = (q.new_empty((tokens, hv, key_dim), dtype=dt) for _ in range(3))
