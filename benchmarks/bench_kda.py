@@ -55,7 +55,7 @@ def ours_fwd(q, k, v, g, beta, h0, scale):
 
 def ours_fwd_bwd(q, k, v, g, beta, h0, scale, do):
     o, final, *saved = two_key_fwd(q, k, None, v, g, h0, None, chunk_size=64, scale=scale,
-                                   state_v_first=False)
+                                   state_v_first=False, beta=beta)
     dq, dk, dbeta, dv, dg, dh0 = two_key_bwd(q, k, None, v, g, h0, None, *saved, do, None,
                                              chunk_size=64, scale=scale, state_v_first=False,
                                              beta=beta)
