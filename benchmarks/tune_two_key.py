@@ -8,8 +8,10 @@ Backward kernels, timing the whole :func:`two_key_bwd` (KDA form, with ``beta``)
 forward's saved tensors and checking ``dq``, ``dk``, ``dlog_decay``: ``--kernel rows``
 (``_two_key_bwd_rows_kernel``: ``BK``, ``BV``, warps, stages; ``two_key_bwd.ROWS_LAUNCH``),
 ``--kernel bwd-state`` (``_two_key_bwd_state_kernel``; ``two_key_bwd.STATE_LAUNCH``).
-The state passes run one program per sequence, head and value tile: time them at
-``--shape 1x32768x16`` too (64 programs at 32-wide tiles).
+The state passes run one program per sequence, head and value tile, and their ``BV`` is
+the widest tile: the launchers narrow it (down to 16) while the grid holds fewer than
+two programs per multiprocessor (``narrow_state_tile``), so at ``--shape 1x32768x16``
+every ``BV`` runs 16-wide (equal rows there show the timing noise).
 
 Each configuration runs in its own process (compiling in parallel; everything after
 compiling, the check and the timing, holds a file lock, so one process at a time uses

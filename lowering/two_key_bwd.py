@@ -38,6 +38,7 @@ from kdn_compile.lowering.two_key_common import (
     check_decay_floor,
     compute_dtype,
     load_write_key,
+    narrow_state_tile,
     load_block,
     load_row,
     load_rows,
@@ -401,7 +402,7 @@ def two_key_bwd(
     dh0 = q.new_empty(state_shape, dtype=torch.float32)
     s_k, s_v = (1, key_dim) if state_v_first else (value_dim, 1)
     block_v = min(64, value_dim)
-    state_v = min(STATE_LAUNCH["BV"], value_dim)
+    state_v = narrow_state_tile(STATE_LAUNCH["BV"], value_dim, num_seqs * hv, q.device)
     wrap_triton(_two_key_bwd_state_kernel)[(triton.cdiv(value_dim, state_v) * num_seqs * hv,)](
         qd, kd, wl, c, tmat, rmat, dof,
         dht.contiguous() if dht is not None else dh0, dh, dv32, dh0,

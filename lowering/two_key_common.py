@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import chunk_offsets, chunk_owners, uncovered_inputs
+from ._launch import chunk_offsets, chunk_owners, sm_count, uncovered_inputs
 
 BT = 64  # tokens per chunk (the only supported chunk size)
 BC = 16  # sub-block of the intra-chunk algebra (smallest tensor-core tile)
@@ -112,6 +112,27 @@ def sequence_bounds(
         bounds = torch.arange(batch + 1, device=device, dtype=torch.int32) * length
         return bounds, batch
     return cu_seqlens.to(torch.int32), cu_seqlens.shape[0] - 1
+
+
+def narrow_state_tile(widest: int, value_dim: int, seq_heads: int, device: torch.device) -> int:
+    """Value tile of a sequential state pass, whose grid is sequences x value heads x
+    value tiles: ``widest`` (at most ``value_dim``), halved down to 16 while the grid
+    would hold fewer than two programs per multiprocessor (as the GDN state passes do).
+    A symbolic ``seq_heads`` (a dynamic batch or packed-sequence count under
+    ``torch.compile`` / ``torch.export``) keeps ``widest``: no guard on it.
+
+    At 1x32768x16 (K = V = 128) that is 16 (128 programs) against 32 (64 programs);
+    at 8x4096x16 it stays 32 (512 programs). On the H200 (bf16, 2026-11-30,
+    ``benchmarks/tune_two_key.py --shape 1x32768x16``), 16-wide tiles with two stages
+    timed the whole forward at 3.08 ms and the backward at 5.23, against 3.13-3.97 and
+    5.33-7.14 for 32-wide ones in the same sweep (its timings drifted).
+    """
+    tile = min(widest, value_dim)
+    if not isinstance(seq_heads, int):  # symbolic while tracing: no guard on the batch
+        return tile
+    while tile > 16 and seq_heads * (value_dim // tile) < 2 * sm_count(device):
+        tile //= 2
+    return tile
 
 
 def num_chunks_bound(batch: int, length: int, num_seqs: int, varlen: bool) -> int:

@@ -41,6 +41,7 @@ from kdn_compile.lowering.two_key_common import (
     load_rows,
     load_tile,
     load_write_key,
+    narrow_state_tile,
     num_chunks_bound,
     require_two_key_kernels,
     sequence_bounds,
@@ -451,7 +452,7 @@ def two_key_fwd(
         DOT_PREC=prec, num_warps=4, num_stages=1,
     )
     block_v = min(64, value_dim)
-    state_v = min(STATE_LAUNCH["BV"], value_dim)
+    state_v = narrow_state_tile(STATE_LAUNCH["BV"], value_dim, num_seqs * hv, q.device)
     wrap_triton(_two_key_fwd_state_kernel)[(triton.cdiv(value_dim, state_v) * num_seqs * hv,)](
         wk, u, wl, c, h, x, h0, final_state,
         bounds, chunk_first, s_k, s_v,
