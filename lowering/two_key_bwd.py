@@ -58,11 +58,14 @@ from kdn_compile.lowering.two_key_common import (
 # 248 registers, no spill). float32 tiles spill 2 KB there (sm_90): the older one.
 ROWS_LAUNCH = {"BK": 64, "BV": 64, "num_warps": 4, "num_stages": 2}
 ROWS_LAUNCH_FP32 = {"BK": 32, "BV": 64, "num_warps": 4, "num_stages": 1}
-# The state-gradient pass for half inputs: 32-wide value tiles (255 registers and 8 bytes
-# of spill, ptxas sm_90, against 320 bytes at 64, and twice the programs for the
-# sequential pass). float32 inputs take one stage (two stages of its tiles need 311 KB of
-# shared memory at K = V = 256; sm_90 has 227 KB).
-STATE_LAUNCH = {"BV": 32, "num_warps": 4, "num_stages": 2}
+# The state-gradient pass for half inputs: value tiles at most 32 wide (255 registers and
+# 8 bytes of spill, ptxas sm_90, against 320 bytes at 64, and twice the programs for the
+# sequential pass; see narrow_state_tile); three stages: the whole backward 0.94x its
+# time at two at 1x32768x16, 16-wide tiles (H200, 2026-11-30), where one stage was an
+# illegal memory access at every tile width and warp count (Triton 3.6). float32 inputs
+# take one stage (two stages of its tiles need 311 KB of shared memory at K = V = 256;
+# sm_90 has 227 KB), which passes its CUDA tests.
+STATE_LAUNCH = {"BV": 32, "num_warps": 4, "num_stages": 3}
 
 
 @triton.jit

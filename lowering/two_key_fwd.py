@@ -52,12 +52,14 @@ from kdn_compile.lowering.two_key_common import (
 )
 
 
-# Launch configurations (``benchmarks/tune_two_key.py`` times others): the pairs kernel;
-# the state pass for half inputs (32-wide value tiles: twice the programs of 64 for the
+# Launch configurations (``benchmarks/tune_two_key.py`` times others): the pairs kernel
+# (no other of 24 within 2% of it, H200, 2026-11-30); the state pass for half inputs
+# (value tiles at most 32 wide, see narrow_state_tile: twice the programs of 64 for the
 # sequential pass and no spills, ptxas sm_90: 140 registers at BV=32, 236 at BV=64;
+# three stages: the whole forward 0.91x its time at two at 1x32768x16, 16-wide tiles;
 # float32 inputs take one stage).
 PAIRS_LAUNCH = {"BK": 32, "num_warps": 4, "num_stages": 1}
-STATE_LAUNCH = {"BV": 32, "num_warps": 4, "num_stages": 2}
+STATE_LAUNCH = {"BV": 32, "num_warps": 4, "num_stages": 3}
 
 
 @triton.jit
