@@ -8,10 +8,11 @@ Backward kernels, timing the whole :func:`two_key_bwd` (KDA form, with ``beta``)
 forward's saved tensors and checking ``dq``, ``dk``, ``dlog_decay``: ``--kernel rows``
 (``_two_key_bwd_rows_kernel``: ``BK``, ``BV``, warps, stages; ``two_key_bwd.ROWS_LAUNCH``),
 ``--kernel bwd-state`` (``_two_key_bwd_state_kernel``; ``two_key_bwd.STATE_LAUNCH``).
-The state passes run one program per sequence, head and value tile, and their ``BV`` is
-the widest tile: the launchers narrow it (down to 16) while the grid holds fewer than
-two programs per multiprocessor (``narrow_state_tile``), so at ``--shape 1x32768x16``
-every ``BV`` runs 16-wide (equal rows there show the timing noise).
+The state passes run one program per sequence, head and value tile and have two launch
+tables each: ``STATE_LAUNCH``, and ``STATE_LAUNCH_NARROW`` where the former's tiles
+leave fewer than two programs per multiprocessor (``state_launch``): time
+``--kernel fwd-state`` / ``bwd-state`` at ``--shape 8x4096x16`` and
+``fwd-state-narrow`` / ``bwd-state-narrow`` at ``--shape 1x32768x16``.
 
 Each configuration runs in its own process (compiling in parallel; everything after
 compiling, the check and the timing, holds a file lock, so one process at a time uses
@@ -47,6 +48,10 @@ SPACES = {
                   {"BV": (16, 32, 64), "num_warps": (4, 8), "num_stages": (1, 2, 3)}),
     "bwd-state": ("two_key_bwd", "STATE_LAUNCH",
                   {"BV": (16, 32, 64), "num_warps": (4, 8), "num_stages": (1, 2, 3)}),
+    "fwd-state-narrow": ("two_key_fwd", "STATE_LAUNCH_NARROW",
+                         {"BV": (16, 32), "num_warps": (4, 8), "num_stages": (1, 2, 3)}),
+    "bwd-state-narrow": ("two_key_bwd", "STATE_LAUNCH_NARROW",
+                         {"BV": (16, 32), "num_warps": (4, 8), "num_stages": (2, 3)}),
 }
 
 

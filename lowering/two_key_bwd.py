@@ -38,13 +38,13 @@ from kdn_compile.lowering.two_key_common import (
     check_decay_floor,
     compute_dtype,
     load_write_key,
-    narrow_state_tile,
     load_block,
     load_row,
     load_rows,
     load_tile,
     require_two_key_kernels,
     sequence_bounds,
+    state_launch,
     store_rows,
     store_tile,
     tokens_major,
@@ -58,14 +58,16 @@ from kdn_compile.lowering.two_key_common import (
 # 248 registers, no spill). float32 tiles spill 2 KB there (sm_90): the older one.
 ROWS_LAUNCH = {"BK": 64, "BV": 64, "num_warps": 4, "num_stages": 2}
 ROWS_LAUNCH_FP32 = {"BK": 32, "BV": 64, "num_warps": 4, "num_stages": 1}
-# The state-gradient pass for half inputs: value tiles at most 32 wide (255 registers and
-# 8 bytes of spill, ptxas sm_90, against 320 bytes at 64, and twice the programs for the
-# sequential pass; see narrow_state_tile); three stages: the whole backward 0.94x its
-# time at two at 1x32768x16, 16-wide tiles (H200, 2026-11-30), where one stage was an
-# illegal memory access at every tile width and warp count (Triton 3.6). float32 inputs
-# take one stage (two stages of its tiles need 311 KB of shared memory at K = V = 256;
-# sm_90 has 227 KB), which passes its CUDA tests.
-STATE_LAUNCH = {"BV": 32, "num_warps": 4, "num_stages": 3}
+# The state-gradient pass for half inputs: 32-wide value tiles (255 registers and 8 bytes
+# of spill, ptxas sm_90, against 320 bytes at 64, and twice the programs for the
+# sequential pass), and where that leaves fewer than two programs per multiprocessor
+# 16-wide tiles with three stages (see state_launch; the whole backward 0.94x its time
+# at two stages at 1x32768x16, H200, 2026-11-30; one stage was an illegal memory access
+# there at every tile width and warp count, Triton 3.6). float32 inputs take one stage
+# (two stages of its tiles need 311 KB of shared memory at K = V = 256; sm_90 has
+# 227 KB), which passes its CUDA tests.
+STATE_LAUNCH = {"BV": 32, "num_warps": 4, "num_stages": 2}
+STATE_LAUNCH_NARROW = {"BV": 16, "num_warps": 4, "num_stages": 3}
 
 
 @triton.jit
@@ -405,14 +407,15 @@ def two_key_bwd(
     dh0 = q.new_empty(state_shape, dtype=torch.float32)
     s_k, s_v = (1, key_dim) if state_v_first else (value_dim, 1)
     block_v = min(64, value_dim)
-    state_v = narrow_state_tile(STATE_LAUNCH["BV"], value_dim, num_seqs * hv, q.device)
+    state = state_launch(STATE_LAUNCH, STATE_LAUNCH_NARROW, value_dim, num_seqs * hv, q.device)
+    state_v = min(state["BV"], value_dim)
     wrap_triton(_two_key_bwd_state_kernel)[(triton.cdiv(value_dim, state_v) * num_seqs * hv,)](
         qd, kd, wl, c, tmat, rmat, dof,
         dht.contiguous() if dht is not None else dh0, dh, dv32, dh0,
         bounds, chunk_first, s_k, s_v, scale,
         Hv=hv, K=key_dim, V=value_dim, BT=BT, BV=state_v,
-        HAS_DHT=dht is not None, DOT_PREC=prec, num_warps=STATE_LAUNCH["num_warps"],
-        num_stages=STATE_LAUNCH["num_stages"] if dt != torch.float32 else 1,
+        HAS_DHT=dht is not None, DOT_PREC=prec, num_warps=state["num_warps"],
+        num_stages=state["num_stages"] if dt != torch.float32 else 1,
     )
     dascr = q.new_empty((tokens, hv, BT), dtype=torch.float32)
     drscr = q.new_empty((tokens, hv, BT), dtype=torch.float32)

@@ -114,25 +114,22 @@ def sequence_bounds(
     return cu_seqlens.to(torch.int32), cu_seqlens.shape[0] - 1
 
 
-def narrow_state_tile(widest: int, value_dim: int, seq_heads: int, device: torch.device) -> int:
-    """Value tile of a sequential state pass, whose grid is sequences x value heads x
-    value tiles: ``widest`` (at most ``value_dim``), halved down to 16 while the grid
-    would hold fewer than two programs per multiprocessor (as the GDN state passes do).
-    A symbolic ``seq_heads`` (a dynamic batch or packed-sequence count under
-    ``torch.compile`` / ``torch.export``) keeps ``widest``: no guard on it.
+def state_launch(wide: dict, narrow: dict, value_dim: int, seq_heads, device) -> dict:
+    """Launch configuration of a sequential state pass, whose grid is sequences x value
+    heads x value tiles: ``wide``, or ``narrow`` (narrower value tiles, so more
+    programs) where ``wide``'s tiles would leave fewer than two programs per
+    multiprocessor (as the GDN state passes narrow theirs). A symbolic ``seq_heads``
+    (a dynamic batch or sequence count under ``torch.compile`` / ``torch.export``)
+    takes ``wide``: no guard on it.
 
-    At 1x32768x16 (K = V = 128) that is 16 (128 programs) against 32 (64 programs);
-    at 8x4096x16 it stays 32 (512 programs). On the H200 (bf16, 2026-11-30,
-    ``benchmarks/tune_two_key.py --shape 1x32768x16``), 16-wide tiles with two stages
-    timed the whole forward at 3.08 ms and the backward at 5.23, against 3.13-3.97 and
-    5.33-7.14 for 32-wide ones in the same sweep (its timings drifted).
+    At K = V = 128 on an H200 (132 multiprocessors) 8x4096x16 keeps ``wide`` (512
+    programs at 32-wide tiles) and 1x32768x16 takes ``narrow`` (128 programs at 16
+    against 64 at 32).
     """
-    tile = min(widest, value_dim)
-    if not isinstance(seq_heads, int):  # symbolic while tracing: no guard on the batch
-        return tile
-    while tile > 16 and seq_heads * (value_dim // tile) < 2 * sm_count(device):
-        tile //= 2
-    return tile
+    programs = seq_heads * triton.cdiv(value_dim, min(wide["BV"], value_dim))
+    if isinstance(seq_heads, int) and programs < 2 * sm_count(device):
+        return narrow
+    return wide
 
 
 def num_chunks_bound(batch: int, length: int, num_seqs: int, varlen: bool) -> int:

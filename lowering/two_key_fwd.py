@@ -41,10 +41,10 @@ from kdn_compile.lowering.two_key_common import (
     load_rows,
     load_tile,
     load_write_key,
-    narrow_state_tile,
     num_chunks_bound,
     require_two_key_kernels,
     sequence_bounds,
+    state_launch,
     store_block,
     store_tile,
     tokens_major,
@@ -53,13 +53,15 @@ from kdn_compile.lowering.two_key_common import (
 
 
 # Launch configurations (``benchmarks/tune_two_key.py`` times others): the pairs kernel
-# (no other of 24 within 2% of it, H200, 2026-11-30); the state pass for half inputs
-# (value tiles at most 32 wide, see narrow_state_tile: twice the programs of 64 for the
-# sequential pass and no spills, ptxas sm_90: 140 registers at BV=32, 236 at BV=64;
-# three stages: the whole forward 0.91x its time at two at 1x32768x16, 16-wide tiles;
-# float32 inputs take one stage).
+# (none of 24 others within 2% of it, H200, 2026-11-30); the state pass for half inputs
+# (32-wide value tiles: twice the programs of 64 for the sequential pass and no spills,
+# ptxas sm_90: 140 registers at BV=32, 236 at BV=64), and where that leaves fewer than
+# two programs per multiprocessor 16-wide tiles with three stages (see state_launch;
+# the whole forward 0.91x its time at two stages at 1x32768x16, H200, 2026-11-30).
+# float32 inputs take one stage.
 PAIRS_LAUNCH = {"BK": 32, "num_warps": 4, "num_stages": 1}
-STATE_LAUNCH = {"BV": 32, "num_warps": 4, "num_stages": 3}
+STATE_LAUNCH = {"BV": 32, "num_warps": 4, "num_stages": 2}
+STATE_LAUNCH_NARROW = {"BV": 16, "num_warps": 4, "num_stages": 3}
 
 
 @triton.jit
@@ -454,14 +456,15 @@ def two_key_fwd(
         DOT_PREC=prec, num_warps=4, num_stages=1,
     )
     block_v = min(64, value_dim)
-    state_v = narrow_state_tile(STATE_LAUNCH["BV"], value_dim, num_seqs * hv, q.device)
+    state = state_launch(STATE_LAUNCH, STATE_LAUNCH_NARROW, value_dim, num_seqs * hv, q.device)
+    state_v = min(state["BV"], value_dim)
     wrap_triton(_two_key_fwd_state_kernel)[(triton.cdiv(value_dim, state_v) * num_seqs * hv,)](
         wk, u, wl, c, h, x, h0, final_state,
         bounds, chunk_first, s_k, s_v,
         Hv=hv, K=key_dim, V=value_dim, BT=BT, BV=state_v,
         HAS_H0=initial_state is not None, DOT_PREC=prec,
-        num_warps=STATE_LAUNCH["num_warps"],
-        num_stages=STATE_LAUNCH["num_stages"] if dt != torch.float32 else 1,
+        num_warps=state["num_warps"],
+        num_stages=state["num_stages"] if dt != torch.float32 else 1,
     )
     wrap_triton(_two_key_fwd_output_kernel)[(num_chunks, triton.cdiv(value_dim, block_v), hv)](
         qd, h, rmat, x, o,

@@ -208,22 +208,22 @@ def test_supports():
     assert two_key_kernel_supports(small, small, chunk_size=64)
 
 
-def test_state_tile_narrows_for_few_programs(monkeypatch):
-    from kdn_compile.lowering import two_key_common
-
-    monkeypatch.setattr(two_key_common, "sm_count", lambda device: 132)
-    cuda = torch.device("cuda")
-    assert two_key_common.narrow_state_tile(32, 128, 8 * 16, cuda) == 32  # 512 programs
-    assert two_key_common.narrow_state_tile(64, 128, 8 * 16, cuda) == 32  # not 256
-    assert two_key_common.narrow_state_tile(32, 128, 1 * 16, cuda) == 16  # not 64
-    assert two_key_common.narrow_state_tile(32, 128, 1, cuda) == 16  # never below 16
-    assert two_key_common.narrow_state_tile(32, 16, 1, cuda) == 16  # at most V
+def test_state_launch_narrows_for_few_programs(monkeypatch):
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
+    from kdn_compile.lowering import two_key_common
+
+    wide, narrow = {"BV": 32}, {"BV": 16}
+    monkeypatch.setattr(two_key_common, "sm_count", lambda device: 132)
+    cuda = torch.device("cuda")
+    assert two_key_common.state_launch(wide, narrow, 128, 8 * 16, cuda) is wide  # 512 programs
+    assert two_key_common.state_launch(wide, narrow, 128, 66, cuda) is wide  # 264
+    assert two_key_common.state_launch(wide, narrow, 128, 65, cuda) is narrow  # 260
+    assert two_key_common.state_launch(wide, narrow, 16, 200, cuda) is narrow  # one tile each
     symbolic = ShapeEnv().create_unbacked_symint()  # a batch under dynamic shapes
-    assert two_key_common.narrow_state_tile(32, 128, symbolic * 16, cuda) == 32
+    assert two_key_common.state_launch(wide, narrow, 128, symbolic * 16, cuda) is wide
     monkeypatch.setattr(two_key_common, "sm_count", lambda device: 1)  # CPU
-    assert two_key_common.narrow_state_tile(32, 128, 1, torch.device("cpu")) == 32
+    assert two_key_common.state_launch(wide, narrow, 128, 1, torch.device("cpu")) is wide
 
 
 # ---------------------------------------------------------------- CUDA
@@ -238,8 +238,8 @@ CUDA_CASES = [
      False),
     ("bf16-bound", torch.bfloat16, (1, 300, 1, 1, 128, 128), None, LOG_DECAY_BOUND, 0.5, False),
     ("bf16-long", torch.bfloat16, (1, 16384, 1, 2, 128, 128), None, -0.1, 0.0, False),
-    # 72 sequence-heads: the state passes keep 32-wide value tiles on an H200 (the
-    # cases above have few programs, so their tiles narrow to 16: narrow_state_tile)
+    # 72 sequence-heads: the state passes keep their wide launch on an H200 (the cases
+    # above have few programs and take the narrow one: state_launch)
     ("bf16-wide-grid", torch.bfloat16, (9, 130, 2, 8, 128, 128), None, -1.0, 0.0, False),
 ]
 
