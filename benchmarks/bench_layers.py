@@ -8,6 +8,9 @@ row per measurement with GPU, versions, commit and time. Ours compiles with
 ``torch.compile`` (11 and 14 graph breaks) is in ``../shared/ANCHORS.md``. CUDA only.
 
     python benchmarks/bench_layers.py [--layers gdn,kda,kdn] [--batch 4] [--length 4096]
+        [--profile]
+
+``--profile`` also prints each layer's kernels by CUDA time (ours compiled, FLA eager).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import subprocess
 import torch
 
 import kdn_compile.layers as ours
+from _profile import print_profile
 
 
 def _median_ms(fn) -> float:
@@ -74,6 +78,8 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--profile", action="store_true",
+                        help="print each layer's kernels by CUDA time after timing it")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_layers.py needs CUDA")
@@ -100,12 +106,16 @@ def main() -> None:
         row["ours_compiled_ms"] = _median_ms(_step(compiled, x, dy))
         row["ours_peak_mib"] = _peak_mib(_step(compiled, x, dy))
         row["ours_eager_ms"] = _median_ms(_step(lambda t, m=layer: m(t)[0], x, dy))
+        if args.profile:
+            print_profile(f"{name}: ours compiled, fwd+bwd", _step(compiled, x, dy), rows=30)
         fla = _fla_layer(name, args.hidden, args.heads, args.head_dim)
         if fla is not None:
             fla = fla.to(dev, dtype)
             eager = lambda t, m=fla: m(t)[0]  # noqa: E731
             row["fla_eager_ms"] = _median_ms(_step(eager, x, dy))
             row["fla_peak_mib"] = _peak_mib(_step(eager, x, dy))
+            if args.profile:
+                print_profile(f"{name}: FLA eager, fwd+bwd", _step(eager, x, dy), rows=30)
         rows.append(row)
         print(json.dumps(row), flush=True)
     nan = math.nan

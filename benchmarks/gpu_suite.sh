@@ -18,7 +18,8 @@
 # TESTS=diag runs benchmarks/diagnose_gdn.py (GDN kernel configurations by head size).
 # ISO_K: a pytest -k expression selecting the tests of every test stage.
 # TESTS_SHARE: percent of the time for the tests and compile warm-ups (35); GDN_ARGS,
-# KDA_ARGS: arguments of bench_gdn.py, bench_kda.py (e.g. "--profile --shapes 8x4096x16").
+# KDA_ARGS, LAYERS_ARGS: arguments of bench_gdn.py, bench_kda.py, bench_layers.py (e.g.
+# "--profile --shapes 8x4096x16", "--profile").
 # TUNE="pairs rows fwd-state bwd-state": after the benchmarks, benchmarks/tune_two_key.py
 # --kernel <each> $TUNE_ARGS (e.g. "--shape 1x32768x16") in the time left.
 # EXTRA=<dir>: another checkout inside this one (a branch); its GDN kernel tests (unless
@@ -124,8 +125,9 @@ if [ -n "${EXTRA:-}" ]; then
 fi
 for b in ${BENCHES:-gdn kda layers}; do
     case $b in
+        # shellcheck disable=SC2086
         layers) stage bench_layers 300 python benchmarks/bench_layers.py \
-                    --layers "${LAYERS:-gdn,kda,kdn}" ;;
+                    --layers "${LAYERS:-gdn,kda,kdn}" ${LAYERS_ARGS:-} ;;
         none) ;;
         *) args=${b^^}_ARGS  # e.g. GDN_ARGS="--profile --shapes 8x4096x16x16"
            # shellcheck disable=SC2086
