@@ -19,11 +19,15 @@ def _shape(t: torch.Tensor) -> tuple:
     return tuple(t.shape)
 
 
-def check_tensor(name: str, t, *, dim: int | None = None, floating: bool = True) -> None:
+def check_tensor(name: str, t, *, layout: str | None = None, floating: bool = True) -> None:
+    """A tensor, of rank ``len(layout)`` when ``layout`` (e.g. ``"BTHK"``) is given, and a
+    float dtype when ``floating``."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if dim is not None and t.dim() != dim:
-        raise ValueError(f"{name} must have {dim} dims, got shape {_shape(t)}")
+    if layout is not None and t.dim() != len(layout):
+        raise ValueError(
+            f"{name} must have {len(layout)} dims, [{', '.join(layout)}], got shape {_shape(t)}"
+        )
     if floating and t.dtype not in _FLOATS:
         raise TypeError(
             f"{name} must be float16, bfloat16, float32 or float64, got {t.dtype}"
@@ -101,7 +105,7 @@ def check_cu_seqlens(cu_seqlens, batch: int, device: torch.device, length) -> No
 def check_state(name: str, state, expected: tuple) -> None:
     if state is None:
         return
-    check_tensor(name, state, dim=len(expected))
+    check_tensor(name, state)
     if _shape(state) != tuple(expected):
         raise ValueError(f"{name} must have shape {tuple(expected)}, got {_shape(state)}")
 
@@ -119,10 +123,10 @@ def check_delta_inputs(
     ``gate`` is ``"scalar"`` (``g [B, T, Hv]``), ``"per_key"`` (``[B, T, Hv, K]``)
     or ``"any"`` (either).
     """
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        check_tensor(name, t, dim=4)
+    for name, t, layout in (("q", q, "BTHK"), ("k", k, "BTHK"), ("v", v, "BTHV")):
+        check_tensor(name, t, layout=layout)
     check_tensor("g", g)
-    check_tensor("beta", beta, dim=3)
+    check_tensor("beta", beta, layout="BTH")
     check_same_device(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state)
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
@@ -158,11 +162,12 @@ def check_kdn_inputs(
     q, k, v, log_alpha, omega, r, memory, precision, *, cu_seqlens=None, chunk_size=NOT_CHUNKED
 ) -> None:
     """Validate the arguments of :func:`kdn_compile.diag_kdn`."""
-    for name, t in (("q", q), ("k", k), ("v", v), ("log_alpha", log_alpha), ("omega", omega)):
-        check_tensor(name, t, dim=4)
-    check_tensor("r", r, dim=3)
-    check_tensor("memory", memory, dim=4)
-    check_tensor("precision", precision, dim=3)
+    for name, t in (("q", q), ("k", k), ("log_alpha", log_alpha), ("omega", omega)):
+        check_tensor(name, t, layout="BTHK")
+    check_tensor("v", v, layout="BTHV")
+    check_tensor("r", r, layout="BTH")
+    check_tensor("memory", memory, layout="NHKV")
+    check_tensor("precision", precision, layout="NHK")
     check_same_device(
         q=q, k=k, v=v, log_alpha=log_alpha, omega=omega, r=r, memory=memory,
         precision=precision,
