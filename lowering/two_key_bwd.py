@@ -386,7 +386,8 @@ def two_key_bwd(
     Raises:
         ValueError: inputs that :func:`two_key_kernel_supports` does not cover,
             ``log_decay_floor`` outside ``[LOG_DECAY_BOUND, 0]``, both or neither of
-            ``w`` and ``beta``, or a ``beta`` not a float ``[B, T, Hv]`` tensor.
+            ``w`` and ``beta``, a ``beta`` not a float ``[B, T, Hv]`` tensor, or
+            ``cu_seqlens`` with ``B != 1``.
     """
     require_two_key_kernels(q, v, chunk_size)
     floor = check_decay_floor(log_decay_floor)
@@ -395,9 +396,9 @@ def two_key_bwd(
     hv, value_dim = v.shape[2], v.shape[3]
     dt = compute_dtype(q.dtype)
     prec = dot_precision(q.dtype)
+    bounds, _ = sequence_bounds(batch, length, cu_seqlens, q.device)
     num_seqs = chunk_first.shape[0] - 1
     num_chunks = chunk_seq.shape[0] - 1  # its spare last entry: see chunk_map
-    bounds, _ = sequence_bounds(batch, length, cu_seqlens, q.device)
     tokens = batch * length
     qf, kf, gf, dof = (tokens_major(t) for t in (q, k, log_decay, do))
     dh = q.new_empty((num_chunks, hv, key_dim, value_dim), dtype=dt)

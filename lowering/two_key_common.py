@@ -41,6 +41,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
 from ._launch import chunk_offsets, chunk_owners, sm_count, uncovered_inputs
 
@@ -107,7 +108,13 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 def sequence_bounds(
     batch: int, length: int, cu_seqlens: torch.Tensor | None, device: torch.device
 ) -> tuple[torch.Tensor, int]:
-    """``(cu_seqlens as int32 on the device, N)``; fixed-length batches become packed."""
+    """``(cu_seqlens as int32 on the device, N)``; fixed-length batches become packed.
+
+    Raises:
+        ValueError: ``cu_seqlens`` with a batch size other than 1.
+    """
+    if cu_seqlens is not None and batch != 1:
+        raise ValueError(f"with cu_seqlens the batch size must be 1, got B = {batch}")
     if cu_seqlens is None:
         bounds = torch.arange(batch + 1, device=device, dtype=torch.int32) * length
         return bounds, batch
@@ -126,10 +133,10 @@ def state_launch(wide: dict, narrow: dict, value_dim: int, seq_heads, device) ->
     programs at 32-wide tiles) and 1x32768x16 takes ``narrow`` (128 programs at 16
     against 64 at 32).
     """
-    programs = seq_heads * triton.cdiv(value_dim, min(wide["BV"], value_dim))
-    if isinstance(seq_heads, int) and programs < 2 * sm_count(device):
-        return narrow
-    return wide
+    if not is_concrete_int(seq_heads):  # also a SymInt of known value, as AOTAutograd sees it
+        return wide
+    programs = int(seq_heads) * triton.cdiv(value_dim, min(wide["BV"], value_dim))
+    return narrow if programs < 2 * sm_count(device) else wide
 
 
 def num_chunks_bound(batch: int, length: int, num_seqs: int, varlen: bool) -> int:

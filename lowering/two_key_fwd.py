@@ -401,7 +401,8 @@ def two_key_fwd(
     Raises:
         ValueError: inputs that :func:`two_key_kernel_supports` does not cover,
             ``log_decay_floor`` outside ``[LOG_DECAY_BOUND, 0]``, both or neither of
-            ``w`` and ``beta``, or a ``beta`` not a float ``[B, T, Hv]`` tensor.
+            ``w`` and ``beta``, a ``beta`` not a float ``[B, T, Hv]`` tensor, or
+            ``cu_seqlens`` with ``B != 1``.
 
     Source of the math: :func:`kdn_compile.reference.two_key_chunk_recurrence`.
     """

@@ -209,6 +209,8 @@ def test_supports():
 
 
 def test_state_launch_narrows_for_few_programs(monkeypatch):
+    import sympy
+    from torch.fx.experimental.sym_node import SymNode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
     from kdn_compile.lowering import two_key_common
@@ -220,8 +222,12 @@ def test_state_launch_narrows_for_few_programs(monkeypatch):
     assert two_key_common.state_launch(wide, narrow, 128, 66, cuda) is wide  # 264
     assert two_key_common.state_launch(wide, narrow, 128, 65, cuda) is narrow  # 260
     assert two_key_common.state_launch(wide, narrow, 16, 200, cuda) is narrow  # one tile each
-    symbolic = ShapeEnv().create_unbacked_symint()  # a batch under dynamic shapes
+    env = ShapeEnv()
+    symbolic = env.create_unbacked_symint()  # a batch under dynamic shapes
     assert two_key_common.state_launch(wide, narrow, 128, symbolic * 16, cuda) is wide
+    # a SymInt of known value (Dynamo's view of a static size) counts as that int
+    known = torch.SymInt(SymNode(sympy.Integer(16), env, int, hint=16))
+    assert two_key_common.state_launch(wide, narrow, 128, known, cuda) is narrow
     monkeypatch.setattr(two_key_common, "sm_count", lambda device: 1)  # CPU
     assert two_key_common.state_launch(wide, narrow, 128, 1, torch.device("cpu")) is wide
 
@@ -484,6 +490,18 @@ def test_decay_floor_outside_the_bound_is_refused(floor):
         two_key_fwd(q, q, q, v, g, None, None, **kw)
     with pytest.raises(ValueError, match=r"log_decay_floor: expected a float in \[-20.0, 0\]"):
         two_key_bwd(q, q, q, v, g, None, None, *([None] * 10), v, None, **kw)
+
+
+def test_packed_sequences_need_batch_one():
+    """The launchers read ``cu_seqlens`` as boundaries in ``B * T`` tokens of one row:
+    ``B = 2`` would leave the second row unwritten, so both refuse it."""
+    q = torch.zeros(2, 8, 1, 16)
+    kw = dict(chunk_size=64, scale=1.0, state_v_first=False)
+    cu = torch.tensor([0, 3, 8])
+    with pytest.raises(ValueError, match=r"with cu_seqlens the batch size must be 1, got B = 2"):
+        two_key_fwd(q, q, q, q, q, None, cu, **kw)
+    with pytest.raises(ValueError, match=r"with cu_seqlens the batch size must be 1, got B = 2"):
+        two_key_bwd(q, q, q, q, q, None, cu, *([None] * 10), q, None, **kw)
 
 
 @pytest.mark.parametrize("beta", [torch.rand(1, 8, 2), torch.ones(1, 8, 1, dtype=torch.int64)],
