@@ -63,9 +63,8 @@ ROWS_LAUNCH_FP32 = {"BK": 32, "BV": 64, "num_warps": 4, "num_stages": 1}
 # sequential pass), and where that leaves fewer than two programs per multiprocessor
 # 16-wide tiles with three stages (see state_launch; the whole backward 0.94x its time
 # at two stages at 1x32768x16, H200, 2026-11-30; one stage was an illegal memory access
-# there at every tile width and warp count, Triton 3.6). float32 inputs take one stage
-# (two stages of its tiles need 311 KB of shared memory at K = V = 256; sm_90 has
-# 227 KB), which passes its CUDA tests.
+# there at every tile width and warp count, Triton 3.6; float32 inputs take one stage,
+# see state_launch, and pass their CUDA tests).
 STATE_LAUNCH = {"BV": 32, "num_warps": 4, "num_stages": 2}
 STATE_LAUNCH_NARROW = {"BV": 16, "num_warps": 4, "num_stages": 3}
 
@@ -408,7 +407,8 @@ def two_key_bwd(
     dh0 = q.new_empty(state_shape, dtype=torch.float32)
     s_k, s_v = (1, key_dim) if state_v_first else (value_dim, 1)
     block_v = min(64, value_dim)
-    state = state_launch(STATE_LAUNCH, STATE_LAUNCH_NARROW, value_dim, num_seqs * hv, q.device)
+    state = state_launch(STATE_LAUNCH, STATE_LAUNCH_NARROW, value_dim, num_seqs * hv, q.device,
+                         dtype=dt)
     state_v = min(state["BV"], value_dim)
     wrap_triton(_two_key_bwd_state_kernel)[(triton.cdiv(value_dim, state_v) * num_seqs * hv,)](
         qd, kd, wl, c, tmat, rmat, dof,
@@ -416,7 +416,7 @@ def two_key_bwd(
         bounds, chunk_first, s_k, s_v, scale,
         Hv=hv, K=key_dim, V=value_dim, BT=BT, BV=state_v,
         HAS_DHT=dht is not None, DOT_PREC=prec, num_warps=state["num_warps"],
-        num_stages=state["num_stages"] if dt != torch.float32 else 1,
+        num_stages=state["num_stages"],
     )
     dascr = q.new_empty((tokens, hv, BT), dtype=torch.float32)
     drscr = q.new_empty((tokens, hv, BT), dtype=torch.float32)
@@ -452,8 +452,8 @@ def two_key_bwd(
         num_warps=rows_launch["num_warps"], num_stages=rows_launch["num_stages"],
     )
     dg = log_decay.new_empty((tokens, hv, key_dim))
-    # 32-key slices of its own (0.29 ms at 8x4096x16, H200, against 0.41 at the rows
-    # kernel's 64; the former before it also read g)
+    # 32-key slices of its own (0.35 ms at 8x4096x16 against 0.41 at the rows kernel's
+    # 64, H200, 2026-11-30)
     decay_k = min(32, key_dim)
     wrap_triton(_two_key_bwd_decay_kernel)[(num_chunks, key_dim // decay_k, hv)](
         c, h, dh, wds, dc, gf, dg,

@@ -121,22 +121,27 @@ def sequence_bounds(
     return cu_seqlens.to(torch.int32), cu_seqlens.shape[0] - 1
 
 
-def state_launch(wide: dict, narrow: dict, value_dim: int, seq_heads, device) -> dict:
+def state_launch(wide: dict, narrow: dict, value_dim: int, seq_heads, device, *,
+                 dtype: torch.dtype | None = None) -> dict:
     """Launch configuration of a sequential state pass, whose grid is sequences x value
     heads x value tiles: ``wide``, or ``narrow`` (narrower value tiles, so more
     programs) where ``wide``'s tiles would leave fewer than two programs per
     multiprocessor (as the GDN state passes narrow theirs). A symbolic ``seq_heads``
     (a dynamic batch or sequence count under ``torch.compile`` / ``torch.export``)
-    takes ``wide``: no guard on it.
+    takes ``wide``: no guard on it. With ``dtype`` float32 (the compute dtype) the
+    choice comes back with one pipeline stage: two stages of float32 tiles need up to
+    311 KB of shared memory (the backward pass at K = V = 256; sm_90 has 227 KB).
 
     At K = V = 128 on an H200 (132 multiprocessors) 8x4096x16 keeps ``wide`` (512
     programs at 32-wide tiles) and 1x32768x16 takes ``narrow`` (128 programs at 16
     against 64 at 32).
     """
-    if not is_concrete_int(seq_heads):  # also a SymInt of known value, as AOTAutograd sees it
-        return wide
-    programs = int(seq_heads) * triton.cdiv(value_dim, min(wide["BV"], value_dim))
-    return narrow if programs < 2 * sm_count(device) else wide
+    chosen = wide
+    if is_concrete_int(seq_heads):  # also a SymInt of known value, as AOTAutograd sees it
+        programs = int(seq_heads) * triton.cdiv(value_dim, min(wide["BV"], value_dim))
+        if programs < 2 * sm_count(device):
+            chosen = narrow
+    return {**chosen, "num_stages": 1} if dtype == torch.float32 else chosen
 
 
 def num_chunks_bound(batch: int, length: int, num_seqs: int, varlen: bool) -> int:

@@ -57,8 +57,8 @@ from kdn_compile.lowering.two_key_common import (
 # (32-wide value tiles: twice the programs of 64 for the sequential pass and no spills,
 # ptxas sm_90: 140 registers at BV=32, 236 at BV=64), and where that leaves fewer than
 # two programs per multiprocessor 16-wide tiles with three stages (see state_launch;
-# the whole forward 0.91x its time at two stages at 1x32768x16, H200, 2026-11-30).
-# float32 inputs take one stage.
+# the whole forward 0.91x its time at two stages at 1x32768x16, H200, 2026-11-30;
+# float32 inputs take one stage).
 PAIRS_LAUNCH = {"BK": 32, "num_warps": 4, "num_stages": 1}
 STATE_LAUNCH = {"BV": 32, "num_warps": 4, "num_stages": 2}
 STATE_LAUNCH_NARROW = {"BV": 16, "num_warps": 4, "num_stages": 3}
@@ -457,7 +457,8 @@ def two_key_fwd(
         DOT_PREC=prec, num_warps=4, num_stages=1,
     )
     block_v = min(64, value_dim)
-    state = state_launch(STATE_LAUNCH, STATE_LAUNCH_NARROW, value_dim, num_seqs * hv, q.device)
+    state = state_launch(STATE_LAUNCH, STATE_LAUNCH_NARROW, value_dim, num_seqs * hv, q.device,
+                         dtype=dt)
     state_v = min(state["BV"], value_dim)
     wrap_triton(_two_key_fwd_state_kernel)[(triton.cdiv(value_dim, state_v) * num_seqs * hv,)](
         wk, u, wl, c, h, x, h0, final_state,
@@ -465,7 +466,7 @@ def two_key_fwd(
         Hv=hv, K=key_dim, V=value_dim, BT=BT, BV=state_v,
         HAS_H0=initial_state is not None, DOT_PREC=prec,
         num_warps=state["num_warps"],
-        num_stages=state["num_stages"] if dt != torch.float32 else 1,
+        num_stages=state["num_stages"],
     )
     wrap_triton(_two_key_fwd_output_kernel)[(num_chunks, triton.cdiv(value_dim, block_v), hv)](
         qd, h, rmat, x, o,

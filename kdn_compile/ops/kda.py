@@ -3,9 +3,9 @@
 * ``kdn::chunk_kda`` (triton_op) and ``kdn::chunk_kda_reference``: where the
   two-key Triton kernels of ``lowering/two_key_*.py`` cover the inputs (see
   :func:`_kda_kernels`) the op launches them with ``beta`` (the kernels form the
-  write key ``w = beta k`` as they read it); its gradients then come from ``kdn::chunk_kda_bwd`` (triton_op), which
-  runs the backward kernels on the forward's saved tensors. Elsewhere both take
-  the reference.
+  write key ``w = beta k`` as they read it); its gradients then come from
+  ``kdn::chunk_kda_bwd`` (triton_op), which runs the backward kernels on the
+  forward's saved tensors. Elsewhere both take the reference.
 
 ``kdn::chunk_kda`` returns ``(o, final_state)`` followed by the ten tensors that
 :func:`two_key_fwd` saves for :func:`two_key_bwd` (:data:`SAVED`; empty
