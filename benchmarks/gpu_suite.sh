@@ -20,6 +20,7 @@
 # TESTS_SHARE: percent of the time for the tests and compile warm-ups (35); GDN_ARGS,
 # KDA_ARGS, LAYERS_ARGS: arguments of bench_gdn.py, bench_kda.py, bench_layers.py (e.g.
 # "--profile --shapes 8x4096x16", "--profile").
+# BENCH_LIMIT: seconds for each timed bench_gdn / bench_kda run (150).
 # TUNE="pairs rows fwd-state bwd-state": after the benchmarks, benchmarks/tune_two_key.py
 # --kernel <each> $TUNE_ARGS (e.g. "--shape 1x32768x16") in the time left.
 # EXTRA=<dir>: another checkout inside this one (a branch); its GDN kernel tests (unless
@@ -131,7 +132,7 @@ for b in ${BENCHES:-gdn kda layers}; do
         none) ;;
         *) args=${b^^}_ARGS  # e.g. GDN_ARGS="--profile --shapes 8x4096x16x16"
            # shellcheck disable=SC2086
-           stage "bench_$b" 150 python "benchmarks/bench_$b.py" ${!args:-} ;;
+           stage "bench_$b" "${BENCH_LIMIT:-150}" python "benchmarks/bench_$b.py" ${!args:-} ;;
     esac
 done
 for t in ${TUNE:-}; do
