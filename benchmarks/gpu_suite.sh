@@ -20,6 +20,8 @@
 # TESTS_SHARE: percent of the time for the tests and compile warm-ups (35); GDN_ARGS,
 # KDA_ARGS, LAYERS_ARGS: arguments of bench_gdn.py, bench_kda.py, bench_layers.py (e.g.
 # "--profile --shapes 8x4096x16", "--profile").
+# WARM=0: no small-shape warm-up runs (FLA's autotuning alone outlasts the test
+# stages there, so the timed runs wait for them; 2026-12-01).
 # BENCH_LIMIT: seconds for each timed bench_gdn / bench_kda run (150).
 # TUNE="pairs rows fwd-state bwd-state": after the benchmarks, benchmarks/tune_two_key.py
 # --kernel <each> $TUNE_ARGS (e.g. "--shape 1x32768x16") in the time left.
@@ -103,6 +105,7 @@ for t in ${TESTS:-gdn two_key gain capture}; do
     esac
 done
 for b in ${BENCHES:-gdn kda layers}; do
+    [ "${WARM:-1}" = 1 ] || break
     case $b in
         gdn) stage warm_gdn "$tests_limit" env OUT= python benchmarks/bench_gdn.py \
                  --shapes "$small_gdn" & ;;

@@ -58,14 +58,15 @@ from kdn_compile.lowering.two_key_common import (
 # 248 registers, no spill). float32 tiles spill 2 KB there (sm_90): the older one.
 ROWS_LAUNCH = {"BK": 64, "BV": 64, "num_warps": 4, "num_stages": 2}
 ROWS_LAUNCH_FP32 = {"BK": 32, "BV": 64, "num_warps": 4, "num_stages": 1}
-# The state-gradient pass for half inputs: 32-wide value tiles (255 registers and 8 bytes
-# of spill, ptxas sm_90, against 320 bytes at 64, and twice the programs for the
-# sequential pass), and where that leaves fewer than two programs per multiprocessor
-# 16-wide tiles with three stages (see state_launch; the whole backward 0.94x its time
-# at two stages at 1x32768x16, H200, 2026-11-30; one stage was an illegal memory access
-# there at every tile width and warp count, Triton 3.6; float32 inputs take one stage,
-# see state_launch, and pass their CUDA tests).
-STATE_LAUNCH = {"BV": 32, "num_warps": 4, "num_stages": 2}
+# The state-gradient pass for half inputs: 32-wide value tiles at 8 warps and 3 stages
+# (the whole backward 0.978x its time at 4 warps and 2 stages, 8x4096x16, H200,
+# 2026-12-01, benchmarks/compare_variants.py; 177 registers, no spill, 220 KB of shared
+# memory, ptxas sm_90; 64-wide tiles were 1.05x), and where that leaves fewer than two
+# programs per multiprocessor 16-wide tiles with three stages (see state_launch; the
+# whole backward 0.94x its time at two stages at 1x32768x16, H200, 2026-11-30). One
+# stage was an illegal memory access at every tile width and warp count (Triton 3.6);
+# float32 inputs take one stage (see state_launch) and pass their CUDA tests.
+STATE_LAUNCH = {"BV": 32, "num_warps": 8, "num_stages": 3}
 STATE_LAUNCH_NARROW = {"BV": 16, "num_warps": 4, "num_stages": 3}
 
 

@@ -107,8 +107,8 @@ def test_kda_layer_is_kimi_linear_anatomy():
     raw = layer.f_proj[1](layer.f_proj[0](x)).view(2, 19, 4, 8) + layer.dt_bias.view(4, 8)
     g = -layer.A_log.exp()[:, None] * F.softplus(raw)
     beta = layer.b_proj(x).sigmoid()
-    o, _ = chunk_kda_reference(F.normalize(q, dim=-1), F.normalize(k, dim=-1), v, g, beta,
-                               chunk_size=8)
+    q, k = (t / (t.square().sum(-1, keepdim=True) + 1e-6).sqrt() for t in (q, k))
+    o, _ = chunk_kda_reference(q, k, v, g, beta, chunk_size=8)
     gate = torch.sigmoid(layer.g_proj[1](layer.g_proj[0](x))).view(2, 19, 4, 6)
     normed = o * torch.rsqrt(o.square().mean(-1, keepdim=True) + layer.norm.eps)
     want = layer.o_proj((normed * layer.norm.weight * gate).flatten(-2))

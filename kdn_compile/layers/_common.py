@@ -157,6 +157,14 @@ def heads(x: torch.Tensor, count: int) -> torch.Tensor:
     return x.unflatten(-1, (count, -1))
 
 
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """``x / sqrt(sum(x^2) + eps)`` over the last dim, in at least float32, returned in
+    ``x``'s dtype: the L2 normalization of q and k in FLA's layers (``l2norm``, same
+    ``eps``)."""
+    wide = work(x)
+    return (wide * torch.rsqrt(wide.square().sum(-1, keepdim=True) + eps)).to(x.dtype)
+
+
 def work(x: torch.Tensor) -> torch.Tensor:
     """``x`` in at least float32 (float64 stays float64)."""
     return x.to(torch.promote_types(x.dtype, torch.float32))
@@ -181,7 +189,12 @@ def convolved_qkv(layer: nn.Module, x: torch.Tensor, conv_cache, cu_seqlens, val
                          f"got shape {tuple(x.shape)}")
     # before the packed convolution gathers rows by cu_seqlens
     check_cu_seqlens(cu_seqlens, x.shape[0], x.device, x.shape[1])
-    qkv = torch.cat((layer.q_proj(x), layer.k_proj(x), layer.v_proj(x)), dim=-1)
+    # one product with the three (bias-free) weights stacked: one output, no copy into
+    # a concatenation, one matmul for each gradient (fewer, larger kernels compiled)
+    projections = (layer.q_proj, layer.k_proj, layer.v_proj)
+    if any(p.bias is not None for p in projections):
+        raise ValueError("convolved_qkv: q_proj, k_proj, v_proj must have no bias")
+    qkv = F.linear(x, torch.cat([p.weight for p in projections]))
     qkv, conv_cache = layer.conv(qkv, conv_cache, cu_seqlens)
     key_width = layer.num_heads * layer.head_dim
     q, k, v = qkv.split((key_width, key_width, value_heads * layer.head_v_dim), dim=-1)

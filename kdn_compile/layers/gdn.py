@@ -15,6 +15,7 @@ from kdn_compile.layers._common import (
     convolved_qkv,
     decay_rate_log,
     heads,
+    l2_normalize,
     time_step_bias,
     work,
 )
@@ -24,7 +25,8 @@ class GatedDeltaNet(nn.Module):
     """Gated DeltaNet token mixer, ``[B, T, D] -> [B, T, D]``.
 
     Per token: ``q, k, v`` from linear projections through a short causal
-    depthwise convolution and SiLU; ``q, k`` L2-normalized per head; the
+    depthwise convolution and SiLU; ``q, k`` L2-normalized per head
+    (``q / sqrt(|q|^2 + 1e-6)``, as FLA's ``l2norm``); the
     decay ``g = -exp(A_log) * softplus(a + dt_bias)`` (natural log, one per
     value head) and ``beta = sigmoid(b)``; the recurrence
     ``S_t = (I - beta_t k_t k_t^T) exp(g_t) S_{t-1} + beta_t k_t v_t^T``,
@@ -142,7 +144,7 @@ class GatedDeltaNet(nn.Module):
         rows = num_sequences(x.shape[0], cu_seqlens)
         check_state('state["recurrent"]', recurrent,
                     (rows, self.num_v_heads, self.head_dim, self.head_v_dim))
-        q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+        q, k = l2_normalize(q), l2_normalize(k)
         g = self.decay(x)
         beta = self.b_proj(x).sigmoid()
         o, recurrent = self.mix(q, k, v, g, beta, recurrent, cu_seqlens)
