@@ -2,15 +2,16 @@
 projections, short convolution + SiLU, L2 normalization of q and k) written several
 ways, each compiled with ``fullgraph=True`` and timed forward + backward.
 
-Variants (``--variants``, comma separated; default all):
+Variants (``--variants``, comma separated; default all), each one change from what
+the layers run (``layers``: ``convolved_qkv``, one product on the stacked q/k/v weights,
+then ``l2_normalize``):
 
-* ``current``: the layers' own code (``convolved_qkv`` + ``F.normalize``);
-* ``fused``: one matmul on the concatenated q/k/v weights in place of three and a cat;
-* ``function``: the convolution as an ``autograd.Function`` with its backward spelled
-  out (``dpre`` formed once, then ``dx`` and ``dweight`` from it);
-* ``rsqrt``: ``x * rsqrt(sum x^2 + eps)`` in place of ``F.normalize``;
-* ``conv1d``: ``F.conv1d`` (depthwise, channels first) for the convolution;
-* ``all``: fused + function + rsqrt.
+* ``three``: three products and a cat (the layers before 2026-12-01);
+* ``normalize``: ``F.normalize`` in place of ``l2_normalize``;
+* ``slices_t``: the convolution's taps as ``[n, C]`` rows (contiguous per tap);
+* ``function`` / ``function_keep``: the convolution as an ``autograd.Function`` with
+  its backward spelled out, recomputing / saving the pre-activation;
+* ``conv1d``: ``F.conv1d`` (depthwise, channels first).
 
 Prints a markdown table (ms, ``do_bench`` medians) and, with ``--profile``, the kernels
 of each variant. CUDA only. Run: ``python benchmarks/probe_front.py [--profile]``.
@@ -25,82 +26,85 @@ import torch.nn.functional as F
 
 import kdn_compile.layers as ours
 from _profile import print_profile
-from kdn_compile.layers._common import heads
+from kdn_compile.layers._common import convolved_qkv, heads, l2_normalize
 
 
 class _ConvSiLU(torch.autograd.Function):
-    """``silu(sum_j padded[:, j:j+T] * weight[:, j])`` with an explicit backward."""
+    """``silu(sum_j padded[:, j:j+T] * taps[j])`` (``taps [n, C]``) with its backward
+    spelled out; ``keep``: save the pre-activation in place of recomputing it."""
 
     @staticmethod
-    def forward(ctx, padded, weight):
-        taps = weight.shape[1]
-        length = padded.shape[1] - taps + 1
-        pre = sum(padded[:, j:j + length] * weight[:, j] for j in range(taps))
-        ctx.save_for_backward(padded, weight)
+    def forward(ctx, padded, taps, keep):
+        n = taps.shape[0]
+        length = padded.shape[1] - n + 1
+        pre = sum(padded[:, j:j + length] * taps[j] for j in range(n))
+        ctx.keep = keep
+        ctx.save_for_backward(padded, taps, pre if keep else None)
         return F.silu(pre)
 
     @staticmethod
     def backward(ctx, dy):
-        padded, weight = ctx.saved_tensors
-        taps = weight.shape[1]
-        length = padded.shape[1] - taps + 1
-        pre = sum(padded[:, j:j + length].float() * weight[:, j].float() for j in range(taps))
+        padded, taps, pre = ctx.saved_tensors
+        n = taps.shape[0]
+        length = padded.shape[1] - n + 1
+        if not ctx.keep:
+            pre = sum(padded[:, j:j + length] * taps[j] for j in range(n))
+        pre = pre.float()
         sig = torch.sigmoid(pre)
         dpre = dy.float() * sig * (1 + pre * (1 - sig))
-        dpadded = sum(F.pad(dpre * weight[:, j].float(), (0, 0, j, taps - 1 - j))
-                      for j in range(taps))
-        dweight = torch.stack([(dpre * padded[:, j:j + length].float()).sum((0, 1))
-                               for j in range(taps)], dim=1)
-        return dpadded.to(padded.dtype), dweight.to(weight.dtype)
+        dpadded = sum(F.pad(dpre * taps[j].float(), (0, 0, j, n - 1 - j)) for j in range(n))
+        dtaps = torch.stack([(dpre * padded[:, j:j + length].float()).sum((0, 1))
+                             for j in range(n)])
+        return dpadded.to(padded.dtype), dtaps.to(taps.dtype), None
 
 
-def _front(layer, x, *, fused=False, function=False, rsqrt=False, conv1d=False):
-    if fused:
+def _front(layer, x, *, three=False, normalize=False, conv="slices"):
+    """``conv``: "slices" (the layers' own), "slices_t" (taps as ``[n, C]`` rows),
+    "function" / "function_keep" (:class:`_ConvSiLU`), "conv1d" (``F.conv1d``)."""
+    if three:
+        qkv = torch.cat((layer.q_proj(x), layer.k_proj(x), layer.v_proj(x)), dim=-1)
+    else:
         weight = torch.cat((layer.q_proj.weight, layer.k_proj.weight, layer.v_proj.weight))
         qkv = F.linear(x, weight)
-    else:
-        qkv = torch.cat((layer.q_proj(x), layer.k_proj(x), layer.v_proj(x)), dim=-1)
-    conv = layer.conv
-    tail = conv.kernel_size - 1
-    weight = conv.weight.to(x.dtype)
-    if conv1d:
-        pre = F.conv1d(qkv.transpose(1, 2), weight[:, None, :], padding=tail,
+    n = layer.conv.kernel_size
+    weight = layer.conv.weight.to(x.dtype)
+    if conv == "conv1d":
+        pre = F.conv1d(qkv.transpose(1, 2), weight[:, None, :], padding=n - 1,
                        groups=weight.shape[0])[..., : qkv.shape[1]]
         y = F.silu(pre.transpose(1, 2))
     else:
-        padded = F.pad(qkv, (0, 0, tail, 0))
-        if function:
-            y = _ConvSiLU.apply(padded, weight)
+        padded = F.pad(qkv, (0, 0, n - 1, 0))
+        length = qkv.shape[1]
+        if conv == "slices":
+            y = F.silu(sum(padded[:, j:j + length] * weight[:, j] for j in range(n)))
+        elif conv == "slices_t":
+            taps = layer.conv.weight.t().contiguous().to(x.dtype)
+            y = F.silu(sum(padded[:, j:j + length] * taps[j] for j in range(n)))
         else:
-            y = F.silu(sum(padded[:, j:j + qkv.shape[1]] * weight[:, j]
-                           for j in range(conv.kernel_size)))
+            taps = layer.conv.weight.t().contiguous().to(x.dtype)
+            y = _ConvSiLU.apply(padded, taps, conv == "function_keep")
     width = layer.num_heads * layer.head_dim
     q, k, v = y.split((width, width, y.shape[-1] - 2 * width), dim=-1)
     q, k, v = heads(q, layer.num_heads), heads(k, layer.num_heads), heads(v, layer.num_v_heads)
-    if rsqrt:
-        def norm(t):
-            tf = t.float()
-            return (tf * torch.rsqrt(tf.square().sum(-1, keepdim=True) + 1e-12)).to(t.dtype)
-    else:
-        def norm(t):
-            return F.normalize(t, dim=-1)
-    return norm(q), norm(k), v
+    if normalize:
+        return F.normalize(q, dim=-1), F.normalize(k, dim=-1), v
+    return l2_normalize(q), l2_normalize(k), v
 
 
-def _current(layer, x):
-    from kdn_compile.layers._common import convolved_qkv
-
+def _layers(layer, x):
+    """What the layers run now (``convolved_qkv``, ``l2_normalize``)."""
     q, k, v, _ = convolved_qkv(layer, x, None, None, layer.num_v_heads)
-    return F.normalize(q, dim=-1), F.normalize(k, dim=-1), v
+    return l2_normalize(q), l2_normalize(k), v
 
 
 VARIANTS = {
-    "current": _current,
-    "fused": lambda m, x: _front(m, x, fused=True),
-    "function": lambda m, x: _front(m, x, function=True),
-    "rsqrt": lambda m, x: _front(m, x, rsqrt=True),
-    "conv1d": lambda m, x: _front(m, x, conv1d=True),
-    "all": lambda m, x: _front(m, x, fused=True, function=True, rsqrt=True),
+    "layers": _layers,
+    "three": lambda m, x: _front(m, x, three=True),
+    "normalize": lambda m, x: _front(m, x, normalize=True),
+    "slices_t": lambda m, x: _front(m, x, conv="slices_t"),
+    "function": lambda m, x: _front(m, x, conv="function"),
+    "function_keep": lambda m, x: _front(m, x, conv="function_keep"),
+    "conv1d": lambda m, x: _front(m, x, conv="conv1d"),
 }
 
 
@@ -116,7 +120,8 @@ def main() -> None:
     torch.manual_seed(0)
     layer = ours.KimiDeltaAttention(D, 16, D // 16).cuda().to(torch.bfloat16)
     x = torch.randn(B, T, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    ref = [t.float() for t in _current(layer, x)]
+    with torch.no_grad():
+        ref = [t.float() for t in _layers(layer, x)]
     grads = [torch.randn_like(t) for t in ref]
     rows = []
     for name in args.variants.split(","):
@@ -127,7 +132,7 @@ def main() -> None:
             torch.autograd.backward(list(fn(x)), grads)
 
         out = fn(x)
-        err = max(float((a.float() - b).abs().max()) for a, b in zip(out, ref))
+        err = max(float((a.detach().float() - b).abs().max()) for a, b in zip(out, ref))
         fwd = do_bench(lambda fn=fn: fn(x), warmup=25, rep=200, return_mode="median")
         both = do_bench(step, warmup=25, rep=200, return_mode="median")
         rows.append((name, fwd, both, err))
@@ -135,7 +140,7 @@ def main() -> None:
         if args.profile:
             print_profile(f"front {name}", step, rows=14)
     print(f"\nfront of the KDA layer at {args.shape}, bf16, compiled fullgraph, ms (median)")
-    print("| variant | fwd | fwd+bwd | max abs diff vs current |\n|---|---|---|---|")
+    print("| variant | fwd | fwd+bwd | max abs diff vs layers |\n|---|---|---|---|")
     for name, fwd, both, err in rows:
         print(f"| {name} | {fwd:.3f} | {both:.3f} | {err:.1e} |")
 
