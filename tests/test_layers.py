@@ -116,6 +116,21 @@ def test_kda_layer_is_kimi_linear_anatomy():
 
 
 @pytest.mark.parametrize("name", sorted(LAYERS))
+def test_projections_run_as_modules(name):
+    """q, k, v come from calling q_proj, k_proj, v_proj (so hooks and adapters that wrap
+    them, e.g. LoRA, take effect), not from their weights read directly."""
+    layer, x = make_layer(name), inputs(2, 5)
+    calls = []
+    for proj in ("q_proj", "k_proj", "v_proj"):
+        getattr(layer, proj).register_forward_hook(lambda m, i, o, p=proj: calls.append(p))
+    y, _ = layer(x)
+    assert sorted(calls) == ["k_proj", "q_proj", "v_proj"]
+    # an adapter's extra term reaches the output
+    layer.q_proj.register_forward_hook(lambda m, i, o: o + 1.0)
+    assert not torch.equal(layer(x)[0], y)
+
+
+@pytest.mark.parametrize("name", sorted(LAYERS))
 def test_prefill_then_decode_equals_one_pass(name):
     layer, x = make_layer(name), inputs(2, 21)
     full, full_state = layer(x)

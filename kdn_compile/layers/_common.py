@@ -189,12 +189,10 @@ def convolved_qkv(layer: nn.Module, x: torch.Tensor, conv_cache, cu_seqlens, val
                          f"got shape {tuple(x.shape)}")
     # before the packed convolution gathers rows by cu_seqlens
     check_cu_seqlens(cu_seqlens, x.shape[0], x.device, x.shape[1])
-    # one product with the three (bias-free) weights stacked: one output, no copy into
-    # a concatenation, one matmul for each gradient (fewer, larger kernels compiled)
-    projections = (layer.q_proj, layer.k_proj, layer.v_proj)
-    if any(p.bias is not None for p in projections):
-        raise ValueError("convolved_qkv: q_proj, k_proj, v_proj must have no bias")
-    qkv = F.linear(x, torch.cat([p.weight for p in projections]))
+    # Three module calls, not one product on the stacked weights: that was 2% faster in
+    # the compiled front (H200, 2026-12-01) but skipped hooks and adapters on the
+    # projections (LoRA) and copied the weights on every call (a decode token).
+    qkv = torch.cat((layer.q_proj(x), layer.k_proj(x), layer.v_proj(x)), dim=-1)
     qkv, conv_cache = layer.conv(qkv, conv_cache, cu_seqlens)
     key_width = layer.num_heads * layer.head_dim
     q, k, v = qkv.split((key_width, key_width, value_heads * layer.head_v_dim), dim=-1)
