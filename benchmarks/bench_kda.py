@@ -92,7 +92,8 @@ def main() -> None:
     parser.add_argument("--shapes", default="8x4096x16,1x32768x16")
     parser.add_argument("--no-fla", action="store_true", help="time our kernels only")
     parser.add_argument("--profile", action="store_true",
-                        help="also print per-kernel CUDA times of one fwd+bwd (first shape)")
+                        help="also print per-kernel CUDA times of one fwd+bwd (first shape): "
+                             "our kernels, the Diag-KDN op, FLA")
     args = parser.parse_args()
     try:
         from fla.ops.kda import chunk_kda
@@ -105,6 +106,13 @@ def main() -> None:
         q, k, v, g, beta, h0 = make_inputs(B, T, H)
         do = torch.randn_like(v)
         steps = [("ours", lambda: ours_fwd_bwd(q, k, v, g, beta, h0, 128 ** -0.5, do))]
+        kdn_leaves = diag_kdn_inputs(q, k, v, g, h0)
+
+        def kdn_step():
+            out = kdn_compile.diag_kdn(*kdn_leaves, scale=128 ** -0.5, info_scale=1.0)[0]
+            torch.autograd.backward([out], [do])
+
+        steps.append(("Diag-KDN op", kdn_step))
         if chunk_kda is not None:
             steps.append(("FLA", fla_step(chunk_kda, (q, k, v, g, beta, h0), 128 ** -0.5, do)))
         for name, step in steps:
