@@ -8,7 +8,7 @@ row per measurement with GPU, versions, commit and time. Ours compiles with
 ``torch.compile`` (11 and 14 graph breaks) is in ``../shared/ANCHORS.md``. CUDA only.
 
     python benchmarks/bench_layers.py [--layers gdn,kda,kdn] [--batch 4] [--length 4096]
-        [--profile]
+        [--mode max-autotune-no-cudagraphs] [--profile]
 
 ``--profile`` also prints each layer's kernels by CUDA time (ours compiled, FLA eager).
 """
@@ -78,6 +78,8 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--mode", default=None,
+                        help="torch.compile mode for ours (e.g. max-autotune-no-cudagraphs)")
     parser.add_argument("--profile", action="store_true",
                         help="print each layer's kernels by CUDA time after timing it")
     args = parser.parse_args()
@@ -100,9 +102,9 @@ def main() -> None:
     for name in args.layers.split(","):
         x = torch.randn(shape, device=dev, dtype=dtype, requires_grad=True)
         dy = torch.randn(shape, device=dev, dtype=dtype)
-        row = {"layer": name, **meta}
+        row = {"layer": name, "mode": args.mode, **meta}
         layer = _our_layer(name, args.hidden, args.heads, args.head_dim).to(dev, dtype)
-        compiled = torch.compile(lambda t, m=layer: m(t)[0], fullgraph=True)
+        compiled = torch.compile(lambda t, m=layer: m(t)[0], fullgraph=True, mode=args.mode)
         row["ours_compiled_ms"] = _median_ms(_step(compiled, x, dy))
         row["ours_peak_mib"] = _peak_mib(_step(compiled, x, dy))
         row["ours_eager_ms"] = _median_ms(_step(lambda t, m=layer: m(t)[0], x, dy))
