@@ -62,6 +62,26 @@ def ours_fwd_bwd(q, k, v, g, beta, h0, scale, do):
     return dq, dk, dv, dg, dbeta, dh0
 
 
+def two_key_step(module, B, T, H):
+    """A timed call of a two-key launcher module at ``B x T x H`` (KDA form, with
+    ``beta``): ``two_key_fwd``'s ``o``, or ``two_key_bwd``'s ``dq``, ``dk``,
+    ``dlog_decay`` on one forward's saved tensors (for ``tune_two_key.py`` and
+    ``compare_variants.py``)."""
+    q, k, v, g, beta, _ = make_inputs(B, T, H)
+    kw = dict(chunk_size=64, scale=128 ** -0.5, state_v_first=False, beta=beta)
+    if hasattr(module, "two_key_fwd"):
+        return lambda: module.two_key_fwd(q, k, None, v, g, None, None, **kw)[:1]
+    saved = two_key_fwd(q, k, None, v, g, None, None, **kw)[2:]
+    do = torch.randn(v.shape, generator=torch.Generator(v.device).manual_seed(1),
+                     device=v.device, dtype=v.dtype)
+
+    def run():
+        grads = module.two_key_bwd(q, k, None, v, g, None, None, *saved, do, None, **kw)
+        return grads[0], grads[1], grads[4]
+
+    return run
+
+
 def diag_kdn_inputs(q, k, v, g, h0):
     """Leaves ``(q, k, v, log_alpha, omega, r, memory, precision)`` of ``diag_kdn``."""
     B, T, H, K = k.shape

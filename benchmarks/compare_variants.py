@@ -29,28 +29,6 @@ def _load(path: str):
     return module
 
 
-def _step(module, B: int, T: int, H: int):
-    """The timed call of ``module`` (a ``two_key_bwd`` or ``two_key_fwd`` module)."""
-    import torch
-
-    from bench_kda import make_inputs
-    from kdn_compile.lowering.two_key_fwd import two_key_fwd
-
-    q, k, v, g, beta, _ = make_inputs(B, T, H)
-    kw = dict(chunk_size=64, scale=128 ** -0.5, state_v_first=False, beta=beta)
-    if hasattr(module, "two_key_fwd"):
-        return lambda: module.two_key_fwd(q, k, None, v, g, None, None, **kw)[:1]
-    saved = two_key_fwd(q, k, None, v, g, None, None, **kw)[2:]
-    torch.manual_seed(1)
-    do = torch.randn_like(v)
-
-    def run():
-        grads = module.two_key_bwd(q, k, None, v, g, None, None, *saved, do, None, **kw)
-        return grads[0], grads[1], grads[4]
-
-    return run
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("files", nargs="+")
@@ -59,7 +37,9 @@ def main() -> None:
     args = parser.parse_args()
     B, T, H = (int(s) for s in args.shape.split("x"))
     if args.warm:
-        _step(_load(args.files[0]), B, 128, H)()
+        from bench_kda import two_key_step
+
+        two_key_step(_load(args.files[0]), B, 128, H)()
         return
     warm = [subprocess.Popen([sys.executable, __file__, f, "--shape", args.shape, "--warm"])
             for f in args.files]
@@ -68,6 +48,7 @@ def main() -> None:
     import torch
     import triton
 
+    from bench_kda import two_key_step
     from kdn_compile.lowering import two_key_bwd, two_key_fwd
 
     print(f"{args.shape}, {torch.cuda.get_device_name()}, torch {torch.__version__}, "
@@ -77,7 +58,7 @@ def main() -> None:
         try:
             module = _load(f)
             base = two_key_fwd if hasattr(module, "two_key_fwd") else two_key_bwd
-            run, ref = _step(module, B, T, H), _step(base, B, T, H)
+            run, ref = two_key_step(module, B, T, H), two_key_step(base, B, T, H)
             got, want = [t.float() for t in run()], [t.float() for t in ref()]
             err = max(((a - b).norm() / b.norm()).item() for a, b in zip(got, want))
             ms, ms_ref = float("inf"), float("inf")

@@ -55,34 +55,13 @@ SPACES = {
 }
 
 
-def _step(kernel: str, B: int, T: int, H: int):
-    """The timed call at one shape: ``two_key_fwd``'s ``o``, or ``two_key_bwd``'s
-    ``dq``, ``dk``, ``dlog_decay`` on one forward's saved tensors."""
-    import torch
-
-    from bench_kda import make_inputs
-    from kdn_compile.lowering.two_key_bwd import two_key_bwd
-    from kdn_compile.lowering.two_key_fwd import two_key_fwd
-
-    q, k, v, g, beta, _ = make_inputs(B, T, H)
-    kw = dict(chunk_size=64, scale=128 ** -0.5, state_v_first=False, beta=beta)
-    if SPACES[kernel][0] == "two_key_fwd":
-        return lambda: two_key_fwd(q, k, None, v, g, None, None, **kw)[:1]
-    saved = two_key_fwd(q, k, None, v, g, None, None, **kw)[2:]
-    do = torch.randn_like(v)
-
-    def run():
-        grads = two_key_bwd(q, k, None, v, g, None, None, *saved, do, None, **kw)
-        return grads[0], grads[1], grads[4]
-
-    return run
-
-
 def one(kernel: str, shape: str, config: dict, rounds: int = 3) -> dict:
     import importlib
 
     import torch
     import triton
+
+    from bench_kda import two_key_step
 
     module_name, table, _ = SPACES[kernel]
     module = importlib.import_module(f"kdn_compile.lowering.{module_name}")
@@ -91,7 +70,7 @@ def one(kernel: str, shape: str, config: dict, rounds: int = 3) -> dict:
     # Compile both configurations outside the lock at a short length (same batch and
     # heads, so the same specializations; next to no GPU work while another process
     # times), then run and time at the real shape under the lock, alternating.
-    warm = _step(kernel, B, 128, H)
+    warm = two_key_step(module, B, 128, H)
     for launch in (default, config):
         setattr(module, table, dict(launch))
         warm()
@@ -99,7 +78,7 @@ def one(kernel: str, shape: str, config: dict, rounds: int = 3) -> dict:
     del warm
     with open(LOCK, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        run = _step(kernel, B, T, H)
+        run = two_key_step(module, B, T, H)
         setattr(module, table, default)
         want = [t.float() for t in run()]
         setattr(module, table, dict(config))

@@ -391,7 +391,8 @@ def two_key_bwd(
     """
     require_two_key_kernels(q, v, chunk_size)
     floor = check_decay_floor(log_decay_floor)
-    wf, betaf = write_key_args(w, beta, k, v)
+    qf, kf, gf, dof = (tokens_major(t) for t in (q, k, log_decay, do))
+    wf, betaf = write_key_args(w, beta, kf, v)
     batch, length, hk, key_dim = q.shape
     hv, value_dim = v.shape[2], v.shape[3]
     dt = compute_dtype(q.dtype)
@@ -400,7 +401,6 @@ def two_key_bwd(
     num_seqs = chunk_first.shape[0] - 1
     num_chunks = chunk_seq.shape[0] - 1  # its spare last entry: see chunk_map
     tokens = batch * length
-    qf, kf, gf, dof = (tokens_major(t) for t in (q, k, log_decay, do))
     dh = q.new_empty((num_chunks, hv, key_dim, value_dim), dtype=dt)
     dv32 = q.new_empty((tokens, hv, value_dim), dtype=torch.float32)
     state_shape = (num_seqs, hv, value_dim, key_dim) if state_v_first else (

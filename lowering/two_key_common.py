@@ -190,10 +190,10 @@ def load_write_key(w, k, beta, t, o_r, m_r, i_h, i_hk, o_d, Hk: tl.constexpr, Hv
         return load_tile(w, t, o_r, m_r, i_h, o_d, Hv, K)
 
 
-def write_key_args(w, beta, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def write_key_args(w, beta, kf: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The write key's kernel arguments ``(w, beta)``, token-major: exactly one of ``w``
     (``[B, T, Hv, K]``) and ``beta`` (``[B, T, Hv]``, KDA's ``w = beta k``) is given;
-    the other slot gets the (unread) token-major ``k``.
+    the other slot gets ``kf`` (``k`` already token-major, :func:`tokens_major`; unread).
 
     Raises:
         ValueError: both or neither given, or a ``beta`` not a float ``[B, T, Hv]``.
@@ -202,7 +202,6 @@ def write_key_args(w, beta, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Ten
         raise ValueError("w, beta: give exactly one (w for any write key, beta for KDA's "
                          f"w = beta k), got {type(w).__name__} and {type(beta).__name__}")
     tokens, hv = v.shape[0] * v.shape[1], v.shape[2]
-    kf = tokens_major(k)
     if beta is None:
         return tokens_major(w), kf
     if beta.shape != v.shape[:3] or not beta.is_floating_point():

@@ -55,7 +55,8 @@ from kdn_compile.lowering.two_key_common import (
 # Launch configurations (``benchmarks/tune_two_key.py`` times others): the pairs kernel
 # (none of 24 others within 2% of it, H200, 2026-11-30); the state pass for half inputs
 # (32-wide value tiles: twice the programs of 64 for the sequential pass and no spills,
-# ptxas sm_90: 140 registers at BV=32, 236 at BV=64), and where that leaves fewer than
+# ptxas sm_90, Triton 3.6: 232 registers at BV=32, 255 and 144 bytes of spill at BV=64),
+# and where that leaves fewer than
 # two programs per multiprocessor 16-wide tiles with three stages (see state_launch;
 # the whole forward 0.91x its time at two stages at 1x32768x16, H200, 2026-11-30;
 # float32 inputs take one stage).
@@ -408,7 +409,8 @@ def two_key_fwd(
     """
     require_two_key_kernels(q, v, chunk_size)
     floor = check_decay_floor(log_decay_floor)
-    wf, betaf = write_key_args(w, beta, k, v)
+    qf, kf, vf, gf = (tokens_major(t) for t in (q, k, v, log_decay))
+    wf, betaf = write_key_args(w, beta, kf, v)
     batch, length, hk, key_dim = q.shape
     hv, value_dim = v.shape[2], v.shape[3]
     dt = compute_dtype(q.dtype)
@@ -416,7 +418,6 @@ def two_key_fwd(
     bounds, num_seqs = sequence_bounds(batch, length, cu_seqlens, q.device)
     num_chunks = num_chunks_bound(batch, length, num_seqs, cu_seqlens is not None)
     chunk_seq, chunk_first = chunk_map(bounds, num_chunks)
-    qf, kf, vf, gf = (tokens_major(t) for t in (q, k, v, log_decay))
     tokens = batch * length
     c = q.new_empty((tokens, hv, key_dim), dtype=torch.float32)
     qd, kd, wl = (q.new_empty((tokens, hv, key_dim), dtype=dt) for _ in range(3))
