@@ -113,7 +113,8 @@ def _scan_args(k, nt, heads, key_dim, varlen):
                 IS_VARLEN=varlen, num_warps=4)
 
 
-def kalman_gain_fwd(k, log_alpha, omega, r, precision, cu_seqlens=None, *, info_scale: float):
+def kalman_gain_fwd(k, log_alpha, omega, r, precision, cu_seqlens=None, *, info_scale: float,
+                    gain_dtype: torch.dtype = torch.float32):
     """Gains and final precision of the Diag-KDN covariance recursion.
 
     Args:
@@ -122,9 +123,11 @@ def kalman_gain_fwd(k, log_alpha, omega, r, precision, cu_seqlens=None, *, info_
         precision: ``[N, H, K]`` initial precision ``1 / p_0`` (> 0).
         cu_seqlens: ``[N + 1]`` int32/int64 sequence starts (``B == 1``) or None (``N = B``).
         info_scale: weight of the information term of the precision update.
+        gain_dtype: dtype the gains are stored in (computed in float32; a half dtype
+            halves the traffic of the kernels that read them).
 
     Returns:
-        ``(gain [B, T, H, K] float32, final_precision [N, H, K] float32,
+        ``(gain [B, T, H, K] in gain_dtype, final_precision [N, H, K] float32,
         chunk_covariance [NC * H * K] (flat), final_covariance [N, H, K])``; the
         last two are saved for :func:`kalman_gain_bwd`.
     """
@@ -139,7 +142,7 @@ def kalman_gain_fwd(k, log_alpha, omega, r, precision, cu_seqlens=None, *, info_
     chunk_cov = torch.empty(nc * heads * key_dim, **f32)  # [NC, H, K]
     final_cov = torch.empty(n, heads, key_dim, **f32)
     final_precision = torch.empty(n, heads, key_dim, **f32)
-    gain = torch.empty(batch, length, heads, key_dim, **f32)
+    gain = torch.empty(batch, length, heads, key_dim, device=k.device, dtype=gain_dtype)
     walk = _walk_args(length, nt, heads, key_dim, varlen, info_scale)
     inputs = (k, log_alpha, omega, r)
     index = (cu_seqlens, chunk_seq, chunk_offsets)

@@ -146,9 +146,15 @@ def diag_kdn_op(
             chunk_size,
         )
         return (*found, *saved_placeholders(q, len(SAVED)))
+    memory_kernels = _memory_kernels(q, v, chunk_size)
+    # The memory kernels read the gains as their write key (in float32 products): stored
+    # in a half k's dtype, as KDA's w = beta k comes from half inputs, they cost half the
+    # traffic there and in the memory's backward (dgain is stored in the gains' dtype).
+    half = k.dtype in (torch.float16, torch.bfloat16)
     gain, final_precision, chunk_cov, final_cov = kalman_gain_fwd(
-        k, log_alpha, omega, r, precision, cu_seqlens, info_scale=info_scale)
-    if _memory_kernels(q, v, chunk_size):
+        k, log_alpha, omega, r, precision, cu_seqlens, info_scale=info_scale,
+        gain_dtype=k.dtype if memory_kernels and half else torch.float32)
+    if memory_kernels:
         output, memory, *two_key_saved = two_key_fwd(
             q, k, gain, v, log_alpha, memory, cu_seqlens,
             chunk_size=chunk_size, scale=scale, state_v_first=False,
