@@ -16,7 +16,12 @@ factored operands, never as ``exp(+large)``:
   ``exp(c_b - c_s) <= 1`` for any decay (no bound needed);
 * inside a sub-block each half of 8 tokens uses its 4th token ``r`` as the
   reference: the largest exponent is ``4 * max|g|`` (3 tokens on the row side,
-  4 on the column side).
+  4 on the column side). Where the sub-block's own decays are mild enough that
+  every ``|c_t - c_m|`` about its 8th token ``m`` is at most ``WHOLE_BLOCK_SPAN =
+  60`` (``e^60 = 1.1e26``: products of such factors with the operands stay far
+  from the float32 limit of ``3.4e38``), the kernels take the whole sub-block
+  about ``m`` in one pass (half the products); the test is per program and key
+  slice, on the loaded ``c``, so any decay still takes the halves where needed.
 
 Bound relied on: every per-token log decay ``g >= LOG_DECAY_BOUND = -20``
 (``4 * 20 = 80 < 88.7``, the float32 exponent limit). Beyond about ``-22`` per
@@ -48,6 +53,7 @@ from ._launch import chunk_offsets, chunk_owners, sm_count, uncovered_inputs
 BT = 64  # tokens per chunk (the only supported chunk size)
 BC = 16  # sub-block of the intra-chunk algebra (smallest tensor-core tile)
 LOG_DECAY_BOUND = -20.0
+WHOLE_BLOCK_SPAN = tl.constexpr(60.0)  # see the module docstring
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
