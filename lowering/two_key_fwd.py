@@ -9,7 +9,7 @@ Five launches (see :mod:`two_key_common` for the decay factoring and its bound):
    head): that block's rows of the strictly lower
    ``A[t, s] = sum_i k_ti e^{c_ti - c_si} w_si`` (float32) and of the lower ``R``
    (``q`` in place of ``k``, diagonal included); the earlier blocks' columns in one
-   product factored about the block's first row, the diagonal block whole or in halves.
+   product factored about the block's first row, the diagonal block in halves.
 3. ``_two_key_fwd_solve_kernel`` (one program per chunk and value head):
    ``T = (I + A)^-1`` (stored), then ``Wk = T (k e^c)`` and ``U = T v``.
 4. ``_two_key_fwd_state_kernel`` (one program per sequence, value head and value
@@ -33,7 +33,6 @@ from kdn_compile.lowering.two_key_common import (
     BC,
     BT,
     LOG_DECAY_BOUND,
-    WHOLE_BLOCK_SPAN,
     check_decay_floor,
     chunk_map,
     compute_dtype,
@@ -127,31 +126,6 @@ def _diag_half(b_k, b_q, b_w, b_c, b_cr, m_r, start, acc_a, acc_r, DOT_PREC: tl.
 
 
 @triton.jit
-def _diag_block(b_k, b_q, b_w, b_c, m_r, c, i_h, o_k, ti, last, acc_a, acc_r,
-                Hv: tl.constexpr, K: tl.constexpr, DOT_PREC: tl.constexpr):
-    """Add a diagonal block's ``sum_k x_tk e^{c_tk - c_sk} w_sk`` (``x = k``, ``q``) for
-    one key slice ``o_k`` to ``acc_a``, ``acc_r`` (the caller masks the upper triangle):
-    factored about the block's 8th row (clipped to the last valid one, ``last``) in one
-    product each where every ``|c_t - c_m|`` is at most ``WHOLE_BLOCK_SPAN``, else one
-    half of the columns at a time (:func:`_diag_half`)."""
-    BC: tl.constexpr = b_c.shape[0]
-    b_cm = tl.load(c + (tl.minimum(ti + BC // 2 - 1, last) * Hv + i_h) * K + o_k)
-    span = tl.max(tl.max(tl.where(m_r[:, None], tl.abs(b_c - b_cm[None, :]), 0.0), 1), 0)
-    if span <= WHOLE_BLOCK_SPAN:
-        b_f = tl.where(m_r[:, None], tl.exp(b_c - b_cm[None, :]), 0.0)
-        b_wt = tl.trans(tl.where(m_r[:, None], b_w * tl.exp(b_cm[None, :] - b_c), 0.0))
-        acc_a = tl.dot(b_k * b_f, b_wt, acc_a, input_precision=DOT_PREC)
-        acc_r = tl.dot(b_q * b_f, b_wt, acc_r, input_precision=DOT_PREC)
-    else:
-        b_cr = tl.load(c + (tl.minimum(ti + BC // 4 - 1, last) * Hv + i_h) * K + o_k)
-        acc_a, acc_r = _diag_half(b_k, b_q, b_w, b_c, b_cr, m_r, 0, acc_a, acc_r, DOT_PREC)
-        b_cr = tl.load(c + (tl.minimum(ti + BC // 2 + BC // 4 - 1, last) * Hv + i_h) * K + o_k)
-        acc_a, acc_r = _diag_half(b_k, b_q, b_w, b_c, b_cr, m_r, BC // 2, acc_a, acc_r,
-                                  DOT_PREC)
-    return acc_a, acc_r
-
-
-@triton.jit
 def _two_key_fwd_pairs_kernel(
     q, k, w, beta, c, ascr, rmat,
     cu_seqlens, chunk_seq, chunk_first, N,
@@ -189,8 +163,11 @@ def _two_key_fwd_pairs_kernel(
         b_k = load_tile(k, ti, o_r, m_r, i_hk, o_k, Hk, K)
         b_q = load_tile(q, ti, o_r, m_r, i_hk, o_k, Hk, K)
         b_w = load_write_key(w, k, beta, ti, o_r, m_r, i_h, i_hk, o_k, Hk, Hv, K, HAS_BETA)
-        d_a, d_r = _diag_block(b_k, b_q, b_w, b_c, m_r, c, i_h, o_k, ti, last, d_a, d_r,
-                               Hv, K, DOT_PREC)
+        # the diagonal block, one half of its columns at a time
+        b_cr = tl.load(c + (tl.minimum(ti + BC // 4 - 1, last) * Hv + i_h) * K + o_k)
+        d_a, d_r = _diag_half(b_k, b_q, b_w, b_c, b_cr, m_r, 0, d_a, d_r, DOT_PREC)
+        b_cr = tl.load(c + (tl.minimum(ti + BC // 2 + BC // 4 - 1, last) * Hv + i_h) * K + o_k)
+        d_a, d_r = _diag_half(b_k, b_q, b_w, b_c, b_cr, m_r, BC // 2, d_a, d_r, DOT_PREC)
         if i_i > 0:
             b_cf = tl.load(c + (ti * Hv + i_h) * K + o_k)
             b_f = tl.where(m_r[:, None], tl.exp(b_c - b_cf[None, :]), 0.0)
