@@ -22,8 +22,9 @@ factored operands, never as ``exp(+large)``:
   from the float32 limit of ``3.4e38``), the backward rows kernel takes the whole
   sub-block about ``m`` in one pass (half the products); the test is per program
   and key slice, on the loaded ``c``, so any decay still takes the halves where
-  needed. (The forward pairs kernel keeps the halves: one pass there was 7% slower
-  on the H200, 1.02 against 0.96 ms at 8x4096x16, 2026-12-01.)
+  needed: the whole backward 0.991x its time in halves at 8x4096x16 (H200,
+  2026-12-01, ``benchmarks/compare_variants.py``). The forward pairs kernel keeps
+  the halves: one pass there made the whole forward 1.034x slower.
 
 Bound relied on: every per-token log decay ``g >= LOG_DECAY_BOUND = -20``
 (``4 * 20 = 80 < 88.7``, the float32 exponent limit). Beyond about ``-22`` per
