@@ -295,6 +295,11 @@ def diag_kdn(
         ``(o [B, T, H, V] in v's dtype, memory [N, H, K, V], precision [N, H, K])``,
         the states in float32 (float64 for float64 inputs).
 
+    Precision: with float16/bfloat16 inputs on CUDA the kernels keep the gains
+    ``kappa = p_hat k / (r + sum_K p_hat k**2)`` (computed in float32) in the
+    inputs' dtype, as KDA's write key ``beta k``. Since ``|kappa| <= sqrt(p_hat / r) / 2``,
+    float16 inputs need ``p_hat / r`` below about ``1.7e10`` (float16 ends at 65504).
+
     Raises:
         ValueError, TypeError: on inconsistent shapes, dtypes or devices, as
             :func:`chunk_gdn`; ValueError for a NaN or infinite ``scale`` or
