@@ -182,7 +182,11 @@ def chunk_kda(
         g: ``[B, T, Hv, K]`` natural-log decay per token, value head and key channel,
             finite. The Triton kernels floor it at ``-20`` per token (a state
             decayed by ``e^-20`` keeps under ``2e-9`` of itself, below float32
-            resolution); the references take it as is.
+            resolution); the references take it as is. Known limit of the kernels'
+            backward: where four tokens of an 8-token half sit at about ``-20``, its
+            gradients overflow (inf / NaN) once ``|dA w|`` passes about ``6e3``
+            (``dA = -dY X^T``, e.g. float16 training with a large loss scale); see
+            ``lowering/two_key_common.py``.
 
     Returns:
         ``(o, final_state)`` as :func:`chunk_gdn`.
@@ -296,9 +300,13 @@ def diag_kdn(
         the states in float32 (float64 for float64 inputs).
 
     Precision: with float16/bfloat16 inputs on CUDA the kernels keep the gains
-    ``kappa = p_hat k / (r + sum_K p_hat k**2)`` (computed in float32) in the
-    inputs' dtype, as KDA's write key ``beta k``. Since ``|kappa| <= sqrt(p_hat / r) / 2``,
-    float16 inputs need ``p_hat / r`` below about ``1.7e10`` (float16 ends at 65504).
+    ``kappa = p_hat k / (r + sum_K p_hat k**2)`` (computed in float32) and their
+    other stored intermediates in the inputs' dtype, as KDA's kernels do. float16's
+    range (65504) then bounds them: ``|kappa| <= sqrt(p_hat / r) / 2`` needs ``p_hat / r``
+    below about ``1.7e10``, and in training the float16 gradients ``dq``, ``dk``, ``dv``
+    overflow far earlier (from ``p_hat / r`` near ``1e6``, the reference's too), after
+    which the kernels' other gradients are NaN as well. Prefer bfloat16 where the
+    covariance can grow large.
 
     Raises:
         ValueError, TypeError: on inconsistent shapes, dtypes or devices, as

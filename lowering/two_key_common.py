@@ -18,21 +18,29 @@ factored operands, never as ``exp(+large)``:
   reference: the largest exponent is ``4 * max|g|`` (3 tokens on the row side,
   4 on the column side). Where the sub-block's own decays are mild enough that
   every ``|c_t - c_m|`` about its 8th token ``m`` is at most ``WHOLE_BLOCK_SPAN =
-  60`` (``e^60 = 1.1e26``: products of such factors with the operands stay far
-  from the float32 limit of ``3.4e38``), the backward rows kernel takes the whole
-  sub-block about ``m`` in one pass (half the products); the test is per program
-  and key slice, on the loaded ``c``, so any decay still takes the halves where
-  needed: the whole backward 0.991x its time in halves at 8x4096x16 (H200,
-  2026-12-01, ``benchmarks/compare_variants.py``). The forward pairs kernel keeps
-  the halves: one pass there made the whole forward 1.034x slower.
+  60``, the backward rows kernel takes the whole sub-block about ``m`` in one pass
+  (half the products); the test is per program and key slice, on the loaded ``c``,
+  so any decay still takes the halves where needed: the whole backward 0.991x its
+  time in halves at 8x4096x16 (H200, 2026-12-01, ``benchmarks/compare_variants.py``).
+  The forward pairs kernel keeps the halves: one pass there made the whole forward
+  1.034x slower.
+
+A factor up to ``e^X`` leaves room for product operands up to ``e^(88.7 - X)``
+before float32 (``3.4e38``) overflows: ``2.5e12`` at 60, ``6e3`` at 80. The
+forward's operands are the keys (KDA's are L2-normalized in practice); the
+backward's are gradients (``dA``, ``dR``), so where four tokens of a half sit at
+the bound the backward's diagonal block overflows once ``|dA w|`` passes about
+``6e3`` (inf ``dq``, NaN ``dg``; e.g. float16 training with a large loss scale).
+Known limit, found 2026-12-01; branch ``rows-quarters`` takes such blocks in
+quarters (exponents up to ``2 * max|g| = 40``), awaiting its GPU check.
 
 Bound relied on: every per-token log decay ``g >= LOG_DECAY_BOUND = -20``
 (``4 * 20 = 80 < 88.7``, the float32 exponent limit). Beyond about ``-22`` per
 token the diagonal blocks overflow, so the kernels floor ``g`` themselves at a
 ``log_decay_floor >= LOG_DECAY_BOUND`` as they load it (KDA: the bound; Diag-KDN:
 its memory floor ``log(1e-6) = -13.8``) and the backward gives zero ``dg`` where
-``g`` sits below the floor (the floor's gradient). All chunk algebra runs in
-float32. Products take the kernels' ``DOT_PREC``
+``g`` sits below the floor (the floor's gradient); a NaN gate stays NaN. All chunk
+algebra runs in float32. Products take the kernels' ``DOT_PREC``
 (:func:`~kdn_compile.lowering._launch.dot_precision`): with bf16/fp16 inputs their
 operands are the input dtype or tf32 (tensor cores); with fp32 inputs every
 product is exact fp32 (``"ieee"``, no tf32). ``T = (I + A)^-1`` is

@@ -95,7 +95,9 @@ def _two_key_fwd_decay_kernel(
     m_t = t0 + o_t < eos
     o_k = i_k * BK + tl.arange(0, BK)
     # rows past the sequence end load g = 0: c stays flat there, so its last row is c_last
-    b_c = tl.cumsum(tl.maximum(load_tile(g, t0, o_t, m_t, i_h, o_k, Hv, K), floor), axis=0)
+    b_g = load_tile(g, t0, o_t, m_t, i_h, o_k, Hv, K)
+    # floored with a comparison, not tl.maximum, which would turn a NaN gate into the floor
+    b_c = tl.cumsum(tl.where(b_g < floor, floor, b_g), axis=0)
     b_e = tl.exp(b_c)
     store_tile(c, b_c, t0, o_t, m_t, i_h, o_k, Hv, K)
     store_tile(qd, load_tile(q, t0, o_t, m_t, i_hk, o_k, Hk, K) * b_e, t0, o_t, m_t, i_h, o_k, Hv, K)

@@ -99,6 +99,18 @@ def test_fixed_length_matches_reference(B, T, H):
     check(gain_inputs(B, T, H, 16, seed=T))
 
 
+def test_gains_stored_in_a_half_dtype():
+    """``gain_dtype``: the float32 gains rounded once as they are stored (the Diag-KDN
+    op keeps bfloat16 gains for bfloat16 inputs); the other outputs unchanged."""
+    x = [t.to(DEVICE, torch.float32) for t in gain_inputs(1, 37, 2, 16, seed=13)]
+    half = torch.bfloat16 if DEVICE == "cuda" else torch.float16
+    full = kalman_gain_fwd(*x, None, info_scale=INFO_SCALE)
+    rounded = kalman_gain_fwd(*x, None, info_scale=INFO_SCALE, gain_dtype=half)
+    assert rounded[0].dtype == half and torch.equal(rounded[0], full[0].to(half))
+    for a, b in zip(rounded[1:], full[1:]):
+        assert torch.equal(a, b)
+
+
 def test_varlen_matches_reference():
     cu_seqlens = torch.tensor([0, 1, 40, 40, 63], dtype=torch.int32)
     check(gain_inputs(1, 63, 1, 16, N=4, seed=3), cu_seqlens)

@@ -456,6 +456,29 @@ def test_chunk_kda_op_floors_gates_below_the_kernel_bound():
     assert (dg[dev["g"] < LOG_DECAY_BOUND] == 0).all()
 
 
+def _kda_x(T, K, seed):
+    gen = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
+    return {"q": F.normalize(r(1, T, 1, K), dim=-1), "k": F.normalize(r(1, T, 1, K), dim=-1),
+            "v": r(1, T, 1, K), "g": -0.1 * torch.rand(1, T, 1, K, generator=gen,
+                                                         dtype=torch.float64),
+            "beta": torch.rand(1, T, 1, generator=gen, dtype=torch.float64)}
+
+
+def test_chunk_kda_kernels_keep_a_nan_gate():
+    """A NaN gate gives a NaN output and state on the kernel path, as on the reference
+    (the floor once turned it into -20 and hid it)."""
+    import kdn_compile
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    x = {n: t.to(device, torch.float32) for n, t in _kda_x(20, 16, seed=23).items()}
+    x["g"][0, 3, 0, :] = float("nan")
+    with kdn_compile.use_backend("triton"):
+        o, s = kdn_compile.chunk_kda(**x, chunk_size=64)
+    assert not torch.isfinite(o[:, 3:]).any()  # (earlier tokens of its chunk may be NaN too)
+    assert not torch.isfinite(s).all()
+
+
 @pytest.mark.parametrize("which,expected", [("gdn", "counts [2, 3]"), ("kda", "counts [5, 4]"),
                                             ("kdn", "counts [8, 7]"),
                                             ("export", "exported kdn ['kdn.diag_kdn.default']")])
