@@ -159,6 +159,23 @@ def _two_key_bwd_pair_kernel(
 
 
 @triton.jit
+def _diag_terms(b_daii, b_drii, b_w, b_k, b_q, b_fr, b_fc, b_dkp, b_dqp, b_dwp,
+                DOT_PREC: tl.constexpr):
+    """Add a diagonal block's pair terms to ``dk``, ``dq``, ``dw`` (``b_dkp``, ``b_dqp``,
+    ``b_dwp``), the pair weights ``e^{c_t - c_s}`` factored as the row factors ``b_fr``
+    (``e^{c_t - c_r}``) times the column factors ``b_fc`` (``e^{c_r - c_s}``), each zero
+    outside the rows / columns of the pass (see two_key_common)."""
+    b_wc = b_w * b_fc
+    b_dkp += tl.dot(b_daii, b_wc, input_precision=DOT_PREC) * b_fr
+    b_dqp += tl.dot(b_drii, b_wc, input_precision=DOT_PREC) * b_fr
+    b_dwp += (
+        tl.dot(tl.trans(b_daii), b_k * b_fr, input_precision=DOT_PREC)
+        + tl.dot(tl.trans(b_drii), b_q * b_fr, input_precision=DOT_PREC)
+    ) * b_fc
+    return b_dkp, b_dqp, b_dwp
+
+
+@triton.jit
 def _two_key_bwd_rows_kernel(
     q, k, w, c, h, dh, x, do, dv, dascr, drscr, beta,
     dq, dk, dw, dc, wds, dbeta, dvo,
@@ -241,13 +258,8 @@ def _two_key_bwd_rows_kernel(
     if span <= WHOLE_BLOCK_SPAN:
         b_fr = tl.where(m_r[:, None], tl.exp(b_c - b_cm[None, :]), 0.0)
         b_fc = tl.where(m_r[:, None], tl.exp(b_cm[None, :] - b_c), 0.0)
-        b_wc = b_w * b_fc
-        b_dkp += tl.dot(b_daii, b_wc, input_precision=DOT_PREC) * b_fr
-        b_dqp += tl.dot(b_drii, b_wc, input_precision=DOT_PREC) * b_fr
-        b_dwp += (
-            tl.dot(tl.trans(b_daii), b_k * b_fr, input_precision=DOT_PREC)
-            + tl.dot(tl.trans(b_drii), b_q * b_fr, input_precision=DOT_PREC)
-        ) * b_fc
+        b_dkp, b_dqp, b_dwp = _diag_terms(b_daii, b_drii, b_w, b_k, b_q, b_fr, b_fc,
+                                          b_dkp, b_dqp, b_dwp, DOT_PREC)
     else:
         for part in range(4):  # a loop, not unrolled: four copies spilled (sm_90)
             start = part * (BC // 4)
@@ -257,13 +269,8 @@ def _two_key_bwd_rows_kernel(
             col_ok = row_ok & (o_r < start + BC // 4)
             b_fr = tl.where(row_ok[:, None], tl.exp(b_c - b_cr[None, :]), 0.0)
             b_fc = tl.where(col_ok[:, None], tl.exp(b_cr[None, :] - b_c), 0.0)
-            b_wc = b_w * b_fc
-            b_dkp += tl.dot(b_daii, b_wc, input_precision=DOT_PREC) * b_fr
-            b_dqp += tl.dot(b_drii, b_wc, input_precision=DOT_PREC) * b_fr
-            b_dwp += (
-                tl.dot(tl.trans(b_daii), b_k * b_fr, input_precision=DOT_PREC)
-                + tl.dot(tl.trans(b_drii), b_q * b_fr, input_precision=DOT_PREC)
-            ) * b_fc
+            b_dkp, b_dqp, b_dwp = _diag_terms(b_daii, b_drii, b_w, b_k, b_q, b_fr, b_fc,
+                                              b_dkp, b_dqp, b_dwp, DOT_PREC)
 
     # State terms: S0 (this chunk's start state) and dS1 (its end-state gradient).
     p_h0 = ((i_c + i_n).to(tl.int64) * Hv + i_h) * K * V
