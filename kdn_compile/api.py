@@ -182,11 +182,7 @@ def chunk_kda(
         g: ``[B, T, Hv, K]`` natural-log decay per token, value head and key channel,
             finite. The Triton kernels floor it at ``-20`` per token (a state
             decayed by ``e^-20`` keeps under ``2e-9`` of itself, below float32
-            resolution); the references take it as is. Known limit of the kernels'
-            backward: where four tokens of an 8-token half sit at about ``-20``, its
-            gradients overflow (inf / NaN) once ``|dA w|`` passes about ``6e3``
-            (``dA = -dY X^T``, e.g. float16 training with a large loss scale); see
-            ``lowering/two_key_common.py``.
+            resolution); the references take it as is.
 
     Returns:
         ``(o, final_state)`` as :func:`chunk_gdn`.

@@ -14,7 +14,7 @@ Four launches:
 2. ``_two_key_bwd_pair_kernel`` (one program per chunk): ``dA`` and ``dR``.
 3. ``_two_key_bwd_rows_kernel`` (one program per chunk, 16-row block, key slice and
    value head): ``dq``, ``dk``, ``dw`` from the pair terms (the earlier blocks' columns
-   and the later blocks' rows each in one product, the diagonal block whole or in halves; see
+   and the later blocks' rows each in one product, the diagonal block whole or in quarters; see
    :mod:`two_key_common` for the factoring) and the state terms, and
    ``dc = q dq + k dk - w dw``. For KDA (``w = beta k``) it chains ``w`` itself:
    ``dk + beta dw`` and per-slice partial sums of ``dbeta = sum_K dw k``.
@@ -249,8 +249,8 @@ def _two_key_bwd_rows_kernel(
         b_dwp += (tl.dot(b_dat, b_kl, input_precision=DOT_PREC)
                   + tl.dot(b_drt, b_ql, input_precision=DOT_PREC)) * b_fc
     # The diagonal block: factored about its 8th row (clipped to the last valid one) in
-    # one pass where every factor stays within e^WHOLE_BLOCK_SPAN, else one half of its
-    # columns at a time (about the half's 4th row; see two_key_common).
+    # one pass where every factor stays within e^WHOLE_BLOCK_SPAN, else one quarter of its
+    # columns at a time (about the quarter's 2nd row; see two_key_common).
     b_daii = load_block(dascr, ti, m_r, i_h, i_i * BC, Hv, BT, BC)
     b_drii = load_block(drscr, ti, m_r, i_h, i_i * BC, Hv, BT, BC)
     b_cm = tl.load(c + (tl.minimum(ti + BC // 2 - 1, last) * Hv + i_h) * K + o_k)
@@ -261,12 +261,12 @@ def _two_key_bwd_rows_kernel(
         b_dkp, b_dqp, b_dwp = _diag_terms(b_daii, b_drii, b_w, b_k, b_q, b_fr, b_fc,
                                           b_dkp, b_dqp, b_dwp, DOT_PREC)
     else:
-        for half in tl.static_range(2):
-            start = half * (BC // 2)
-            r = tl.minimum(ti + start + BC // 4 - 1, last)
+        for part in range(4):  # a loop, not unrolled: four copies spilled (sm_90)
+            start = part * (BC // 4)
+            r = tl.minimum(ti + start + BC // 8 - 1, last)
             b_cr = tl.load(c + (r * Hv + i_h) * K + o_k)
             row_ok = m_r & (o_r >= start)
-            col_ok = row_ok & (o_r < start + BC // 2)
+            col_ok = row_ok & (o_r < start + BC // 4)
             b_fr = tl.where(row_ok[:, None], tl.exp(b_c - b_cr[None, :]), 0.0)
             b_fc = tl.where(col_ok[:, None], tl.exp(b_cr[None, :] - b_c), 0.0)
             b_dkp, b_dqp, b_dwp = _diag_terms(b_daii, b_drii, b_w, b_k, b_q, b_fr, b_fc,

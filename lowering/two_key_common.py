@@ -14,25 +14,25 @@ factored operands, never as ``exp(+large)``:
   backward's column terms of block ``j``, its last token, for all later blocks at
   once): ``exp(c_t - c_b) <= 1`` and
   ``exp(c_b - c_s) <= 1`` for any decay (no bound needed);
-* inside a sub-block each half of 8 tokens uses its 4th token ``r`` as the
-  reference: the largest exponent is ``4 * max|g|`` (3 tokens on the row side,
-  4 on the column side). Where the sub-block's own decays are mild enough that
-  every ``|c_t - c_m|`` about its 8th token ``m`` is at most ``WHOLE_BLOCK_SPAN =
-  60``, the backward rows kernel takes the whole sub-block about ``m`` in one pass
-  (half the products); the test is per program and key slice, on the loaded ``c``,
-  so any decay still takes the halves where needed: the whole backward 0.991x its
-  time in halves at 8x4096x16 (H200, 2026-12-01, ``benchmarks/compare_variants.py``).
-  The forward pairs kernel keeps the halves: one pass there made the whole forward
-  1.034x slower.
+* inside a sub-block of the forward's pairs kernel each half of 8 tokens uses
+  its 4th token ``r`` as the reference: the largest exponent is ``4 * max|g|``
+  (3 tokens on the row side, 4 on the column side). The backward's rows kernel
+  takes the whole sub-block about its 8th token ``m`` in one pass (half the
+  products of halves) where every ``|c_t - c_m|`` there is at most
+  ``WHOLE_BLOCK_SPAN = 60``, else each quarter of 4 tokens about its 2nd token
+  (largest exponent ``2 * max|g|``), in a loop (unrolled, the quarters spilled on
+  sm_90; as a loop the kernel takes 168 registers against 250 with unrolled
+  halves, ptxas, Triton 3.6). The test is per program and key slice, on the loaded
+  ``c``. The one pass made the whole backward 0.991x its time in halves at
+  8x4096x16 (H200, 2026-12-01, ``benchmarks/compare_variants.py``); in the forward
+  it made the whole forward 1.034x slower, so the forward keeps halves.
 
 A factor up to ``e^X`` leaves room for product operands up to ``e^(88.7 - X)``
-before float32 (``3.4e38``) overflows: ``2.5e12`` at 60, ``6e3`` at 80. The
-forward's operands are the keys (KDA's are L2-normalized in practice); the
-backward's are gradients (``dA``, ``dR``), so where four tokens of a half sit at
-the bound the backward's diagonal block overflows once ``|dA w|`` passes about
-``6e3`` (inf ``dq``, NaN ``dg``; e.g. float16 training with a large loss scale).
-Known limit, found 2026-12-01; branch ``rows-quarters`` takes such blocks in
-quarters (exponents up to ``2 * max|g| = 40``), awaiting its GPU check.
+before float32 (``3.4e38``) overflows. The backward's operands are gradients of
+any size (``dA``, ``dR``), hence exponents of at most 60 there (``2.5e12`` of
+room; the halves' 80 left ``6e3``, which gradients at the bound exceeded: inf
+``dq``, NaN ``dg``, 2026-12-01). The forward's are the keys: at 80, ``|k|``,
+``|w|`` up to ``6e3`` (KDA's keys are L2-normalized in practice).
 
 Bound relied on: every per-token log decay ``g >= LOG_DECAY_BOUND = -20``
 (``4 * 20 = 80 < 88.7``, the float32 exponent limit). Beyond about ``-22`` per

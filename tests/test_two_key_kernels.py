@@ -465,6 +465,33 @@ def _kda_x(T, K, seed):
             "beta": torch.rand(1, T, 1, generator=gen, dtype=torch.float64)}
 
 
+def test_chunk_kda_backward_at_the_bound_with_large_gradients():
+    """Four tokens of one 8-token half at the bound (-20) and gradients in the hundreds:
+    the backward's diagonal block keeps its factors within e^40 there (quarters), where
+    halves reached e^80 and overflowed float32 once ``|dA w|`` passed 6e3 (inf ``dq``,
+    NaN ``dg``, found by a breaker run, 2026-12-01). Every gradient against float64."""
+    import kdn_compile
+    from kdn_compile.reference import chunk_kda_reference
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    x = _kda_x(16, 16, seed=21)
+    x["v"] = 300 * x["v"]
+    x["g"][:, 4:8] = LOG_DECAY_BOUND
+    do = 300 * torch.randn(1, 16, 1, 16, generator=torch.Generator().manual_seed(22),
+                           dtype=torch.float64)
+    ref = {n: t.clone().requires_grad_() for n, t in x.items()}
+    o_ref, _ = chunk_kda_reference(**ref, chunk_size=64)
+    want = torch.autograd.grad(o_ref, list(ref.values()), do)
+    dev = {n: t.to(device, torch.float32).requires_grad_() for n, t in x.items()}
+    with kdn_compile.use_backend("triton"):
+        o, _ = kdn_compile.chunk_kda(**dev, chunk_size=64)
+    got = torch.autograd.grad(o, list(dev.values()), do.to(device, torch.float32))
+    assert_close(o, o_ref.to(device), FP32_TOL, "o")
+    for name, a, b in zip(dev, got, want):
+        assert torch.isfinite(a).all(), f"grad {name} not finite"
+        assert_close(a, b.to(device), FP32_TOL, f"grad {name}")
+
+
 def test_chunk_kda_kernels_keep_a_nan_gate():
     """A NaN gate gives a NaN output and state on the kernel path, as on the reference
     (the floor once turned it into -20 and hid it)."""
