@@ -22,7 +22,8 @@ ratio: robust to drift between processes) at K = V = 128, bf16. Compiling runs a
 length 128 (outside the lock), so other processes put next to no load on the GPU
 while one times.
 Prints a markdown table; with ``$OUT`` set, writes the rows as JSON there.
-Run: ``python benchmarks/tune_two_key.py [--kernel pairs|rows] [--shape 8x4096x16] [--jobs 8]``.
+Run: ``python benchmarks/tune_two_key.py [--kernel pairs|rows] [--shape 8x4096x16] [--jobs 8]
+[--configs '[{"BK": 64, "BV": 64, "num_warps": 8, "num_stages": 2}, ...]']``.
 """
 
 from __future__ import annotations
@@ -113,13 +114,19 @@ def main() -> None:
     parser.add_argument("--shape", default="8x4096x16", help="B x T x H")
     parser.add_argument("--jobs", type=int, default=8)
     parser.add_argument("--timeout", type=float, default=240)
+    parser.add_argument("--configs", help="a JSON list of configurations to time instead "
+                        "of the whole space (e.g. those ptxas fits without spilling)")
     parser.add_argument("--one", help="one configuration as JSON (internal)")
     args = parser.parse_args()
     if args.one:
         print(json.dumps(one(args.kernel, args.shape, json.loads(args.one))))
         return
     _, table, space = SPACES[args.kernel]
-    configs = [dict(zip(space, values)) for values in itertools.product(*space.values())]
+    configs = (json.loads(args.configs) if args.configs else
+               [dict(zip(space, values)) for values in itertools.product(*space.values())])
+    for c in configs:
+        if sorted(c) != sorted(space):
+            parser.error(f"--configs: each configuration needs the keys {sorted(space)}, got {c}")
     with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
         rows = list(pool.map(lambda c: _spawn(args.kernel, args.shape, c, args.timeout),
                              configs))
