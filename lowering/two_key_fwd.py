@@ -54,13 +54,12 @@ from kdn_compile.lowering.two_key_common import (
 
 # Launch configurations (``benchmarks/tune_two_key.py`` times others): the pairs kernel
 # (16-key slices, 2 warps: the whole forward 0.945x its time at 32 / 4 warps at both
-# timed shapes once its halves became a loop, H200, 2026-12-01); the state pass for half inputs
-# (32-wide value tiles: twice the programs of 64 for the sequential pass and no spills,
-# ptxas sm_90, Triton 3.6: 232 registers at BV=32, 255 and 144 bytes of spill at BV=64),
-# and where that leaves fewer than
-# two programs per multiprocessor 16-wide tiles with three stages (see state_launch;
-# the whole forward 0.91x its time at two stages at 1x32768x16, H200, 2026-11-30;
-# float32 inputs take one stage).
+# timed shapes once its halves became a loop, H200, 2026-12-01); the state pass for half
+# inputs (32-wide value tiles: twice the programs of 64 for the sequential pass and no
+# spills, ptxas sm_90, Triton 3.6: 232 registers at BV=32, 255 and 144 bytes of spill at
+# BV=64), and where that leaves fewer than two programs per multiprocessor 16-wide tiles
+# with three stages (see state_launch; the whole forward 0.91x its time at two stages at
+# 1x32768x16, H200, 2026-11-30; float32 inputs take one stage).
 PAIRS_LAUNCH = {"BK": 16, "num_warps": 2, "num_stages": 1}
 STATE_LAUNCH = {"BV": 32, "num_warps": 4, "num_stages": 2}
 STATE_LAUNCH_NARROW = {"BV": 16, "num_warps": 4, "num_stages": 3}
@@ -167,7 +166,7 @@ def _two_key_fwd_pairs_kernel(
         b_q = load_tile(q, ti, o_r, m_r, i_hk, o_k, Hk, K)
         b_w = load_write_key(w, k, beta, ti, o_r, m_r, i_h, i_hk, o_k, Hk, Hv, K, HAS_BETA)
         # the diagonal block, one half of its columns at a time (a loop, not unrolled:
-        # 128 registers against 154, sm_90)
+        # 128 registers against 154 at 32-key slices on 4 warps, sm_90)
         for half in range(2):
             start = half * (BC // 2)
             b_cr = tl.load(c + (tl.minimum(ti + start + BC // 4 - 1, last) * Hv + i_h) * K + o_k)
