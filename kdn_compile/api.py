@@ -180,9 +180,17 @@ def chunk_kda(
         q, k, v, beta, chunk_size, scale, initial_state, cu_seqlens, state_v_first:
             as :func:`chunk_gdn`.
         g: ``[B, T, Hv, K]`` natural-log decay per token, value head and key channel,
-            finite. The Triton kernels floor it at ``-20`` per token (a state
-            decayed by ``e^-20`` keeps under ``2e-9`` of itself, below float32
-            resolution); the references take it as is.
+            ``<= 0`` and finite. The Triton kernels floor it at ``-20`` per token (a
+            state decayed by ``e^-20`` keeps under ``2e-9`` of itself, below float32
+            resolution; a ``-inf`` gate is floored too, where the references give
+            NaN); the references take it as is. Not checked (a check would sync):
+            positive gates summing past about ``+80`` within a chunk overflow the
+            kernels' factoring (NaN gradients). Float32 limits, measured in the
+            interpreter against float64: ``dg`` of channels decaying by ``e^-10``
+            per token or faster loses relative accuracy as the float32 reference
+            does (``~1e-2`` at ``-10``); gates jumping from the floor to near zero
+            within a chunk give errors up to ``~6e-4`` (the in-chunk cumulative
+            decay rounds at ``|c| ~ 300``).
 
     Returns:
         ``(o, final_state)`` as :func:`chunk_gdn`.
@@ -282,7 +290,8 @@ def diag_kdn(
         log_alpha: ``[B, T, H, K]`` natural-log retention; the covariance uses it
             as is, the memory floors it at ``LOG_MEMORY_ALPHA_FLOOR = log(1e-6)``.
         omega: ``[B, T, H, K]`` process noise (``>= 0``).
-        r: ``[B, T, H]`` observation noise (``> 0``).
+        r: ``[B, T, H]`` observation noise (``> 0``; values are not checked, which
+            would sync: ``r = 0`` gives non-finite outputs).
         memory: ``[N, H, K, V]`` memory carried in (see
             :func:`kdn_compile.reference.initial_state`).
         precision: ``[N, H, K]`` precision ``1 / p`` (``> 0``) carried in.
