@@ -53,7 +53,8 @@ def main() -> None:
 
     print(f"{args.shape}, {torch.cuda.get_device_name()}, torch {torch.__version__}, "
           f"triton {triton.__version__}; ms (least of three do_bench medians)")
-    print("| variant | ms | installed ms | ratio | rel. error vs installed |\n|---|---|---|---|---|")
+    print("| variant | ms | installed ms | ratio | rel. error vs installed |\n"
+          "|---|---|---|---|---|")
     for f in args.files:
         try:
             module = _load(f)

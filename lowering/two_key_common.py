@@ -22,9 +22,9 @@ factored operands, never as ``exp(+large)``:
   ``WHOLE_BLOCK_SPAN = 60``, else each quarter of 4 tokens about its 2nd token
   (largest exponent ``2 * max|g|``), in a loop (unrolled, the quarters spilled on
   sm_90; as a loop the kernel takes 168 registers against 250 with unrolled
-  halves, ptxas, Triton 3.6, and the whole backward 0.83x its time with them, H200,
-  2026-12-01, though no block took them: their registers set the kernel's). The test is per program and key slice, on the loaded
-  ``c``. The one pass made the whole backward 0.991x its time in halves at
+  halves, ptxas, Triton 3.6, and the whole backward 0.83x its time with them,
+  H200, 2026-12-01, though no block took them: their registers set the
+  kernel's). The test is per program and key slice, on the loaded ``c``. The one pass made the whole backward 0.991x its time in halves at
   8x4096x16 (H200, 2026-12-01, ``benchmarks/compare_variants.py``); in the forward
   it made the whole forward 1.034x slower, so the forward keeps halves.
 
