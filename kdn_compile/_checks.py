@@ -166,8 +166,9 @@ def check_kdn_inputs(
         check_tensor(name, t, layout="BTHK")
     check_tensor("v", v, layout="BTHV")
     check_tensor("r", r, layout="BTH")
-    check_tensor("memory", memory, layout="NHKV")
-    check_tensor("precision", precision, layout="NHK")
+    if memory is not None or precision is not None:  # None: the decode step's pools
+        check_tensor("memory", memory, layout="NHKV")
+        check_tensor("precision", precision, layout="NHK")
     check_same_device(
         q=q, k=k, v=v, log_alpha=log_alpha, omega=omega, r=r, memory=memory,
         precision=precision,
@@ -190,6 +191,50 @@ def check_kdn_inputs(
     n = num_sequences(b, cu_seqlens)
     check_state("memory", memory, (n, h, dk, v.shape[3]))
     check_state("precision", precision, (n, h, dk))
+
+
+def check_pool(name: str, pool, layout: str, row_shape: tuple, dtypes: tuple, device,
+               *, slots=None):
+    """A contiguous tensor ``[slots, *row_shape]`` (``layout`` names the dims in messages) of
+    one of ``dtypes`` on ``device``; ``slots`` ``None`` takes any count >= 1. Returns the count."""
+    if not isinstance(pool, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(pool).__name__}")
+    if pool.dtype not in dtypes:
+        allowed = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise TypeError(f"{name} must be {allowed}, got {pool.dtype}")
+    expected = ("S" if slots is None else slots,) + tuple(row_shape)
+    if pool.dim() != len(expected) or _shape(pool)[1:] != tuple(row_shape) or (
+        slots is not None and pool.shape[0] != slots
+    ):
+        raise ValueError(f"{name} must be {layout} = {expected}, got {_shape(pool)}")
+    if pool.shape[0] < 1:
+        raise ValueError(f"{name} must have at least one slot, got shape {_shape(pool)}")
+    if pool.device != device:
+        raise ValueError(f"{name} is on {pool.device} but q is on {device}")
+    if not pool.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (it is updated in place): call "
+                         f".contiguous() once when allocating it")
+    return pool.shape[0]
+
+
+def check_slot_indices(indices, batch, slots, device) -> None:
+    """``state_indices [B]`` int32/int64 on ``device``; on the device (no host sync):
+    every index ``< slots`` and no non-negative index repeated (``torch._assert_async``:
+    a device-side assert on CUDA, a RuntimeError on the CPU)."""
+    if not isinstance(indices, torch.Tensor):
+        raise TypeError(f"state_indices must be a torch.Tensor, got {type(indices).__name__}")
+    if indices.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"state_indices must be int32 or int64, got {indices.dtype}")
+    if _shape(indices) != (batch,):
+        raise ValueError(f"state_indices must be [B] = ({batch},), got {_shape(indices)}")
+    if indices.device != device:
+        raise ValueError(f"state_indices is on {indices.device} but q is on {device}")
+    if device.type == "meta":
+        return
+    torch._assert_async((indices < slots).all(), "state_indices must be < the pool's slots S")
+    ordered = indices.sort().values
+    repeated = (ordered[1:] == ordered[:-1]) & (ordered[1:] >= 0)
+    torch._assert_async(~repeated.any(), "state_indices must not repeat a non-negative slot")
 
 
 def check_flag(name: str, value) -> None:

@@ -4,9 +4,9 @@ Each is a drop-in for its reference in :mod:`kdn_compile.reference` (same
 arguments, same results) and traces under ``torch.compile(fullgraph=True)`` and
 ``torch.export`` without graph breaks. Which op runs is chosen by the backend
 switch (:func:`kdn_compile.set_backend`): the Triton kernel op (``kdn::<name>``)
-or the exact reference op (``kdn::<name>_reference``). ``recurrent_delta_rule``,
-``state_fp8_qdq`` and ``chunk_gdn(..., w_quantizer=...)`` have no kernels yet and
-run their reference ops under every backend.
+or the exact reference op (``kdn::<name>_reference``). ``state_fp8_qdq``
+and ``chunk_gdn(..., w_quantizer=...)`` have no kernels yet and run their
+reference ops under every backend.
 """
 
 from __future__ import annotations
@@ -231,8 +231,13 @@ def recurrent_delta_rule(
     """Token-by-token gated delta rule (the decode path): GDN when ``g`` is
     ``[B, T, Hv]``, KDA when ``g`` is ``[B, T, Hv, K]``.
 
-    No kernel yet: this always runs ``kdn::recurrent_delta_rule_reference``,
-    whatever the backend, a Python loop over ``T`` (meant for decode, ``T == 1``).
+    On CUDA (backend ``"auto"``) the Triton token-recurrence kernel runs: one program
+    per sequence, value head and value tile, the state on chip across the ``T``
+    tokens (any ``T``; meant for short steps: training runs :func:`chunk_gdn` /
+    :func:`chunk_kda`). Gradients come from the exact reference token loop on every
+    backend. float64 inputs and the ``"reference"`` backend run
+    ``kdn::recurrent_delta_rule_reference``. State pools updated in place:
+    :func:`delta_rule_decode`.
 
     Args:
         q, k: ``[B, T, Hk, K]``; v: ``[B, T, Hv, V]``; beta: ``[B, T, Hv]``;
@@ -257,8 +262,10 @@ def recurrent_delta_rule(
         state_v_first=state_v_first, gate="any",
     )
     check_flag("state_v_first", state_v_first)
-    return _ops.recurrent_delta_rule_reference(
-        q, k, v, g, beta, initial_state, cu_seqlens, _scale(scale, q), state_v_first
+    op = (_ops.recurrent_delta_rule if prefer_kernels(q.device.type)
+          else _ops.recurrent_delta_rule_reference)
+    return op(
+        q, k, v, g, beta, initial_state, _contiguous(cu_seqlens), _scale(scale, q), state_v_first
     )
 
 

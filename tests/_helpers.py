@@ -63,7 +63,8 @@ def kdn_inputs(B=2, T=29, H=2, K=8, V=6, *, dtype=torch.float64, requires_grad=F
     return {n: t.to(dtype).contiguous().requires_grad_(requires_grad) for n, t in x.items()}
 
 
-LAUNCHER_MODULES = ("chunk_gdn_fwd", "chunk_gdn_bwd", "two_key_fwd", "two_key_bwd", "kalman_gain")
+LAUNCHER_MODULES = ("chunk_gdn_fwd", "chunk_gdn_bwd", "two_key_fwd", "two_key_bwd", "kalman_gain",
+                    "recurrent")
 
 
 def launcher_modules():

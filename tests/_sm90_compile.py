@@ -31,13 +31,14 @@ from triton.compiler import ASTSource  # noqa: E402
 
 import kdn_compile  # noqa: E402
 from _helpers import launch_recorder, launcher_modules  # noqa: E402
-from kdn_compile.ops import gdn, kda, kdn  # noqa: E402
+from kdn_compile.ops import decode, gdn, kda, kdn, recurrent  # noqa: E402
 
 
 def _type(value, float_type: str) -> str:
     if isinstance(value, torch.Tensor):
         return "*" + {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
-                      torch.int32: "i32", torch.int64: "i64"}[value.dtype]
+                      torch.int32: "i32", torch.int64: "i64",
+                      torch.float8_e4m3fn: "fp8e4nv"}[value.dtype]
     if isinstance(value, bool):
         return "i1"
     if isinstance(value, int):
@@ -98,6 +99,29 @@ def _run_ops(B, T, H, K, dtypes):
         out = kdn_compile.diag_kdn(x["q"], x["k"], x["v"], x["log_alpha"], x["omega"], rr,
                                    memory, precision, scale=0.125, info_scale=1.0)
         torch.autograd.grad(out[0].sum(), [x["q"], x["k"]])
+        _run_decode(B, H, K, dtype, gen)
+
+
+def _run_decode(B, H, K, dtype, gen):
+    """The token recurrence (fixed length and packed) and the decode steps over every pool."""
+    r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    q, k, v = (r(2, 3, H, K).to(dtype) for _ in "qkv")
+    beta = torch.rand(2, 3, H, generator=gen).to(dtype)
+    for g in (-torch.rand(2, 3, H, generator=gen), -torch.rand(2, 3, H, K, generator=gen)):
+        kdn_compile.recurrent_delta_rule(q, k, v, g, beta, initial_state=r(2, H, K, K))
+        kdn_compile.recurrent_delta_rule(q[:1], k[:1], v[:1], g[:1], beta[:1],
+                                         cu_seqlens=torch.tensor([0, 1, 3]))
+        slots = torch.tensor([1, -1])
+        for pool_dtype in (torch.float32, torch.bfloat16, torch.float8_e4m3fn):
+            pool = torch.zeros(3, H, K, K).to(pool_dtype)
+            scales = torch.ones(3, H, -(-K // 64)) if pool_dtype == torch.float8_e4m3fn else None
+            inter = torch.zeros(2, 3, H, K, K)
+            kdn_compile.delta_rule_decode(q, k, v, g, beta, pool, slots, pool_scales=scales,
+                                          intermediate_states=inter)
+    la, om = -torch.rand(2, 3, H, K, generator=gen), torch.rand(2, 3, H, K, generator=gen)
+    kdn_compile.diag_kdn_decode(q, k, v, la, om, torch.rand(2, 3, H, generator=gen) + 0.1,
+                                torch.zeros(3, H, K, K), torch.ones(3, H, K), slots,
+                                scale=0.125, info_scale=1.0)
 
 
 def record_launches(B=1, T=70, H=2, K=64, dtypes=(torch.bfloat16, torch.float32), sms=None,
@@ -112,7 +136,7 @@ def record_launches(B=1, T=70, H=2, K=64, dtypes=(torch.bfloat16, torch.float32)
         module.wrap_triton = launch_recorder(launches)
         if sms is not None and hasattr(module, "sm_count"):
             module.sm_count = lambda device: sms
-    for module in (gdn, kda, kdn):
+    for module in (gdn, kda, kdn, recurrent, decode):
         module.can_launch = lambda x: True
     # The kernels are real JIT functions by now; the gain's support check reads this
     # variable at call time to allow CPU tensors.
@@ -130,7 +154,8 @@ def record_launches(B=1, T=70, H=2, K=64, dtypes=(torch.bfloat16, torch.float32)
     return first
 
 
-_INDEX_TENSORS = {"cu_seqlens", "offsets", "spans", "chunk_seq", "chunk_first", "chunk_offsets"}
+_INDEX_TENSORS = {"cu_seqlens", "offsets", "spans", "chunk_seq", "chunk_first", "chunk_offsets",
+                  "indices"}
 
 
 def written_indices(kernel, args, kwargs) -> set[str]:

@@ -81,7 +81,10 @@ def _run(core, tensors, state, cu_seqlens, **kwargs):
     return outputs, states
 
 
-def _token_loop(q, k, v, gate, beta, state, *, scale):
+def token_loop(q, k, v, gate, beta, state, *, scale, every_state=None):
+    """The token recurrence on head-major ``[B, H, T, ...]`` tensors (``gate`` ``[B, H, T, K
+    or 1]``) from ``state [B, H, K, V]``: ``(o [B, H, T, V], final state)``. A list passed
+    as ``every_state`` receives the state after each token."""
     outputs = []
     for t in range(q.shape[2]):
         state = state * gate[:, :, t].exp()[..., None]
@@ -89,6 +92,8 @@ def _token_loop(q, k, v, gate, beta, state, *, scale):
         innovation = v[:, :, t] - torch.einsum("bhk,bhkv->bhv", key, state)
         state = state + (beta[:, :, t, None] * key)[..., None] * innovation[..., None, :]
         outputs.append(scale * torch.einsum("bhk,bhkv->bhv", q[:, :, t], state))
+        if every_state is not None:
+            every_state.append(state)
     if not outputs:
         return q.new_zeros(q.shape[:-1] + (v.shape[-1],)), state
     return torch.stack(outputs, dim=2), state
@@ -134,7 +139,7 @@ def recurrent_delta_rule_reference(
     tensors, state, scale = _prepare(
         q, k, v, g, beta, scale, initial_state, cu_seqlens, state_v_first
     )
-    outputs, states = _run(_token_loop, tensors, state, cu_seqlens, scale=scale)
+    outputs, states = _run(token_loop, tensors, state, cu_seqlens, scale=scale)
     return _finish(outputs, states, v, state_v_first)
 
 

@@ -1,10 +1,54 @@
-"""FP8 (E4M3) fake quantization of recurrent states."""
+"""FP8 (E4M3) quantization of recurrent states: fake quantization and the float8 pools.
+
+One dynamic scale per ``[K, block_v]`` tile of a key-first state ``[..., K, V]``:
+``scale = amax / 448`` (1 for an all-zero tile), values ``state / scale`` rounded to
+``torch.float8_e4m3fn``. :func:`quantize_state_fp8` and :func:`dequantize_state_fp8`
+are the two halves (the float8 state pools of the serving path store their output);
+:func:`state_fp8_qdq_reference` is their composition with a straight-through gradient.
+"""
 
 from __future__ import annotations
 
 import torch
 
 E4M3_MAX = 448.0
+
+__all__ = ["E4M3_MAX", "quantize_state_fp8", "dequantize_state_fp8", "state_fp8_qdq_reference"]
+
+
+def _tiles(state: torch.Tensor, block_v: int) -> torch.Tensor:
+    """``[..., K, V]`` -> ``[..., K, n_tiles, block_v]``, the last tile zero-padded."""
+    tiles = torch.nn.functional.pad(state, (0, (-state.shape[-1]) % block_v))
+    return tiles.unflatten(-1, (tiles.shape[-1] // block_v, block_v))
+
+
+def quantize_state_fp8(
+    state: torch.Tensor, block_v: int = 64
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize a key-first state ``[..., K, V]`` to E4M3 with one scale per ``[K, block_v]`` tile.
+
+    Returns:
+        ``(values, scales)``: ``values`` ``torch.float8_e4m3fn`` of ``state``'s shape,
+        ``scales [..., ceil(V / block_v)]`` in ``promote_types(state.dtype, float32)``
+        (``amax / 448`` of the tile, 1 for an all-zero tile). The division and the
+        rounding (to nearest, ties to even) happen in that dtype; ``|state / scale| <= 448``.
+    """
+    with torch.no_grad():
+        tiles = _tiles(state, block_v).to(torch.promote_types(state.dtype, torch.float32))
+        # Scales in float32 at least: amax / 448 underflows in float16.
+        amax = tiles.abs().amax(dim=(-3, -1))
+        scales = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+        values = (tiles / scales[..., None, :, None]).to(torch.float8_e4m3fn)
+        return values.flatten(-2)[..., : state.shape[-1]], scales
+
+
+def dequantize_state_fp8(
+    values: torch.Tensor, scales: torch.Tensor, block_v: int = 64,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """``values [..., K, V]`` (float8) times the scale of their ``[K, block_v]`` tile, in ``dtype``."""
+    tiles = _tiles(values.to(dtype), block_v)
+    return (tiles * scales.to(dtype)[..., None, :, None]).flatten(-2)[..., : values.shape[-1]]
 
 
 def state_fp8_qdq_reference(state: torch.Tensor, block_v: int = 64) -> torch.Tensor:
@@ -34,15 +78,7 @@ def state_fp8_qdq_reference(state: torch.Tensor, block_v: int = 64) -> torch.Ten
         raise ValueError(f"state_fp8_qdq: block_v must be a positive int, got {block_v}")
     if state.numel() == 0:
         return state + 0.0
-    value_dim = state.shape[-1]
-    pad = (-value_dim) % block_v
     with torch.no_grad():
-        tiles = torch.nn.functional.pad(state, (0, pad))
-        tiles = tiles.unflatten(-1, (tiles.shape[-1] // block_v, block_v))
-        # Scales in float32 at least: amax / 448 underflows in float16.
-        tiles = tiles.to(torch.promote_types(state.dtype, torch.float32))
-        amax = tiles.abs().amax(dim=(-3, -1), keepdim=True)
-        scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
-        rounded = ((tiles / scale).to(torch.float8_e4m3fn).to(tiles.dtype) * scale).to(state.dtype)
-        rounded = rounded.flatten(-2)[..., :value_dim]
+        values, scales = quantize_state_fp8(state, block_v)
+        rounded = dequantize_state_fp8(values, scales, block_v, scales.dtype).to(state.dtype)
     return state + (rounded - state).detach()

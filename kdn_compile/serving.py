@@ -1,0 +1,200 @@
+"""Decode steps over state pools: the serving path's public functions.
+
+A serving engine keeps the recurrent state of every live sequence in one pool whose
+first dimension is the slot (``[S, Hv, K, V]``), and names each batch row's slot with
+``state_indices``. A step reads the named slots, advances them by the row's ``T``
+tokens and writes them back in place; slots not named are untouched. A negative index
+marks a padding row (a batch padded to a size captured in a CUDA graph): its output is
+zeros and no slot is read or written. Nothing here synchronizes with the host, so a
+step can be captured in a CUDA graph (``torch.compile(..., mode="reduce-overhead")``).
+
+Each function validates its arguments, then calls one ``torch.ops.kdn`` op whose
+schema declares the mutated pools: the Triton kernel op on CUDA (backend ``"auto"``),
+the exact reference op elsewhere (CPU, float64, backend ``"reference"``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+import kdn_compile.ops  # noqa: F401  (registers torch.ops.kdn)
+from kdn_compile._backend import prefer_kernels
+from kdn_compile._checks import check_delta_inputs, check_float, check_flag, check_kdn_inputs
+from kdn_compile._checks import check_pool, check_slot_indices
+from kdn_compile.reference.pools import POOL_BLOCK_V
+
+__all__ = ["MAX_DECODE_TOKENS", "delta_rule_decode", "diag_kdn_decode"]
+
+_ops = torch.ops.kdn
+
+MAX_DECODE_TOKENS = 8
+"""Most tokens per row in one decode step (``T > 1``: speculative-decoding verification)."""
+
+_POOL_DTYPES = (torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.float64)
+_INTERMEDIATE_DTYPES = (torch.float32, torch.bfloat16, torch.float64)
+
+
+def _check_tokens(q: torch.Tensor) -> None:
+    if not 1 <= q.shape[1] <= MAX_DECODE_TOKENS:
+        raise ValueError(
+            f"a decode step takes 1 <= T <= {MAX_DECODE_TOKENS} tokens per row, got T = "
+            f"{q.shape[1]} (q {tuple(q.shape)}); prefill with chunk_gdn / chunk_kda / diag_kdn"
+        )
+
+
+def delta_rule_decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state_pool: torch.Tensor,
+    state_indices: torch.Tensor,
+    *,
+    scale: float | None = None,
+    state_v_first: bool = False,
+    pool_scales: torch.Tensor | None = None,
+    intermediate_states: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One decode step of Gated DeltaNet (``g [B, T, Hv]``) or KDA (``g [B, T, Hv, K]``)
+    over a state pool, updated in place.
+
+    Per row ``b`` and value head, from the state ``S`` in slot ``state_indices[b]``:
+    ``S_t = (I - beta_t k_t k_t^T) diag(exp(g_t)) S_{t-1} + beta_t k_t v_t^T``,
+    ``o_t = scale * S_t^T q_t`` for its ``T`` tokens, then ``S_T`` goes back to the slot.
+
+    Args:
+        q, k: ``[B, T, Hk, K]`` (L2-normalized), float16/bfloat16/float32 (float64 runs
+            the reference), ``1 <= T <= 8``.
+        v: ``[B, T, Hv, V]``, q's dtype; value head ``h`` reads key head ``h // (Hv // Hk)``.
+        g: natural-log decays (``<= 0``), ``[B, T, Hv]`` (GDN) or ``[B, T, Hv, K]`` (KDA).
+        beta: ``[B, T, Hv]`` write strengths.
+        state_pool: ``[S, Hv, K, V]`` (``[S, Hv, V, K]`` with ``state_v_first``),
+            contiguous, float32, bfloat16 or float8_e4m3fn (float64: reference only),
+            on q's device. The recurrence runs in float32 from the slot's state; the
+            new state is rounded to the pool's dtype once per step.
+        state_indices: ``[B]`` int32/int64 slots on q's device; negative: padding row.
+            Non-negative indices must be distinct and ``< S``: checked on the device
+            (a device-side assert, no host sync; on the CPU a RuntimeError).
+        scale: output scale, default ``K ** -0.5``.
+        state_v_first: the pool (and ``intermediate_states``) are value-major.
+        pool_scales: required with a float8 pool, else None: ``[S, Hv, ceil(V / 64)]``
+            float32, one scale per ``[K, 64]`` tile of the key-first state (the tiling of
+            :func:`kdn_compile.reference.state_fp8_qdq_reference`); updated in place. The
+            kernels dequantize on load and quantize on store exactly as
+            :func:`kdn_compile.reference.fp8.quantize_state_fp8` (bit for bit on the same
+            float32 state).
+        intermediate_states: optional ``[B, T, Hv, K, V]`` (value-major with
+            ``state_v_first``) float32 or bfloat16 (float64 with a float64 pool),
+            contiguous: receives the state after every token, so a verifier can roll back
+            to the last accepted token. Padding rows leave theirs untouched.
+
+    Returns:
+        ``o [B, T, Hv, V]`` in ``v``'s dtype, zeros on padding rows.
+
+    Raises:
+        ValueError, TypeError: naming the argument, before any kernel runs: inputs as
+            :func:`kdn_compile.recurrent_delta_rule`; ``T`` outside ``1..8``; a pool of
+            another shape, dtype or device, or not contiguous; indices of the wrong
+            dtype, shape or device; a float8 pool without ``pool_scales`` (or scales with
+            another pool); ``intermediate_states`` of another shape or dtype.
+
+    Source: the token recurrence of :func:`kdn_compile.reference.recurrent_delta_rule_reference`;
+    :func:`kdn_compile.reference.pools.delta_rule_decode_reference` is the exact oracle.
+    """
+    check_delta_inputs(q, k, v, g, beta, gate="any")
+    _check_tokens(q)
+    check_flag("state_v_first", state_v_first)
+    b, t, _, dk = q.shape
+    hv, dv = v.shape[2], v.shape[3]
+    layout = "[S, Hv, V, K]" if state_v_first else "[S, Hv, K, V]"
+    state_shape = (hv, dv, dk) if state_v_first else (hv, dk, dv)
+    slots = check_pool("state_pool", state_pool, layout, state_shape, _POOL_DTYPES, q.device)
+    float8 = state_pool.dtype == torch.float8_e4m3fn
+    if float8 and pool_scales is None:
+        raise ValueError(
+            "a float8_e4m3fn state_pool needs pool_scales [S, Hv, ceil(V / 64)] float32"
+        )
+    if not float8 and pool_scales is not None:
+        raise ValueError(
+            f"pool_scales go with a float8_e4m3fn state_pool, got a {state_pool.dtype} pool"
+        )
+    if pool_scales is not None:
+        tiles = -(-dv // POOL_BLOCK_V)
+        check_pool("pool_scales", pool_scales, "[S, Hv, ceil(V / 64)]", (hv, tiles),
+                   (torch.float32,), q.device, slots=slots)
+    if intermediate_states is not None:
+        allowed = (torch.float64,) if state_pool.dtype == torch.float64 else _INTERMEDIATE_DTYPES
+        check_pool("intermediate_states", intermediate_states,
+                   "[B, T, Hv, V, K]" if state_v_first else "[B, T, Hv, K, V]",
+                   (t,) + state_shape, allowed, q.device, slots=b)
+    check_slot_indices(state_indices, b, slots, q.device)
+    op = _ops.delta_rule_decode if prefer_kernels(q.device.type) else _ops.delta_rule_decode_reference
+    scale = dk**-0.5 if scale is None else check_float("scale", scale)
+    return op(q, k, v, g, beta, state_pool, state_indices, scale, state_v_first, pool_scales,
+              intermediate_states)
+
+
+def diag_kdn_decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    log_alpha: torch.Tensor,
+    omega: torch.Tensor,
+    r: torch.Tensor,
+    memory_pool: torch.Tensor,
+    precision_pool: torch.Tensor,
+    state_indices: torch.Tensor,
+    *,
+    scale: float,
+    info_scale: float,
+) -> torch.Tensor:
+    """One Diagonal Kalman Delta Network decode step over pools, updated in place.
+
+    Per row and head, from slot ``state_indices[b]`` of both pools, the spec's token
+    step (:func:`kdn_compile.reference.diag_kdn_step`) for each of the ``T`` tokens:
+    ``p_hat = alpha^2 p + omega`` (raw ``alpha``), the gain
+    ``kappa = p_hat k / (r + sum p_hat k^2)``, ``1/p = 1/p_hat + info_scale k^2 / r``,
+    then ``S = (I - kappa k^T) diag(alpha) S + kappa v^T`` with ``log alpha`` floored at
+    ``LOG_MEMORY_ALPHA_FLOOR = log(1e-6)``, and ``o = scale S^T q``.
+
+    Args:
+        q, k: ``[B, T, H, K]`` (normalized), float16/bfloat16/float32 (float64 runs the
+            reference), ``1 <= T <= 8``; v ``[B, T, H, V]`` in q's dtype.
+        log_alpha, omega: ``[B, T, H, K]`` natural-log retention and process noise (``>= 0``).
+        r: ``[B, T, H]`` observation noise (``> 0``, not checked).
+        memory_pool: ``[S, H, K, V]`` float32 or bfloat16 (float64: reference only),
+            contiguous; the memory is rounded to its dtype once per step.
+        precision_pool: ``[S, H, K]`` float32 (float64 with a float64 memory pool),
+            contiguous: the precision ``1 / p`` (``> 0``; a fresh slot holds the layer's
+            prior, see :meth:`kdn_compile.layers.DiagKDN.reset_cache`).
+        state_indices: ``[B]`` int32/int64 slots, as :func:`delta_rule_decode`.
+        scale: output scale (the layer passes ``K ** -0.5``).
+        info_scale: weight of the information update.
+
+    Returns:
+        ``o [B, T, H, V]`` in ``v``'s dtype, zeros on padding rows.
+
+    Raises:
+        ValueError, TypeError: naming the argument: inputs as :func:`kdn_compile.diag_kdn`;
+            ``T`` outside ``1..8``; pools of another shape, dtype or device, or not
+            contiguous; indices of the wrong dtype, shape or device.
+
+    Source: the Diagonal KDN specification; :func:`kdn_compile.reference.pools.diag_kdn_decode_reference`
+    is the exact oracle.
+    """
+    check_kdn_inputs(q, k, v, log_alpha, omega, r, None, None)
+    _check_tokens(q)
+    b, _, h, dk = q.shape
+    dv = v.shape[3]
+    memory_dtypes = (torch.float32, torch.bfloat16, torch.float64)
+    slots = check_pool("memory_pool", memory_pool, "[S, H, K, V]", (h, dk, dv), memory_dtypes,
+                       q.device)
+    precision_dtype = torch.float64 if memory_pool.dtype == torch.float64 else torch.float32
+    check_pool("precision_pool", precision_pool, "[S, H, K]", (h, dk), (precision_dtype,),
+               q.device, slots=slots)
+    check_slot_indices(state_indices, b, slots, q.device)
+    scale, info_scale = check_float("scale", scale), check_float("info_scale", info_scale)
+    op = _ops.diag_kdn_decode if prefer_kernels(q.device.type) else _ops.diag_kdn_decode_reference
+    return op(q, k, v, log_alpha, omega, r, memory_pool, precision_pool, state_indices, scale,
+              info_scale)
