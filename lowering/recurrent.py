@@ -74,12 +74,14 @@ def _round_to_e4m3(y):
     float32: ``y`` in units of its E4M3 spacing ``2^(max(e, -6) - 3)``, rounded to an
     integer by the ``1.5 * 2^23`` addition. The cast to float8 that follows is then exact
     on every backend (Triton's interpreter rounds some float8 casts wrongly)."""
-    bits = y.to(tl.int32, bitcast=True)
-    exponent = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)
+    magnitude = tl.abs(y)
+    bits = magnitude.to(tl.int32, bitcast=True)
+    exponent = tl.maximum((bits >> 23) - 127, -6)
     spacing = ((exponent - 3 + 127) << 23).to(tl.float32, bitcast=True)
-    units = y / spacing  # exact: a power of two
+    units = magnitude / spacing  # exact: a power of two
     units = (units + 12582912.0) - 12582912.0
-    return units * spacing
+    rounded = units * spacing
+    return tl.where(y < 0, -rounded, rounded)  # -0.0 where a negative value rounds to zero
 
 
 @triton.jit
@@ -216,44 +218,50 @@ def _recurrent_kdn_kernel(
     T, num_slots, scale, info_scale, log_alpha_floor,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
 ):
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    # One program per (row, head) walks the value tiles in turn: the precision it updates
+    # in place is read by every tile, so no other program may own a tile of this head.
+    i_nh = tl.program_id(0)
     i_n, i_h = i_nh // H, i_nh % H
     bos = i_n.to(tl.int64) * T
     o_k = tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
     m_k = o_k < K
-    m_v = o_v < V
-    m_h = m_k[:, None] & m_v[None, :]
     row = tl.load(indices + i_n).to(tl.int64)
     if (row < 0) | (row >= num_slots):  # padding row
         for t in range(bos, bos + T):
-            tl.store(o + (t * H + i_h) * V + o_v, tl.zeros([BV], tl.float32)
-                     .to(o.dtype.element_ty), mask=m_v)
+            for v0 in range(0, V, BV):
+                o_v = v0 + tl.arange(0, BV)
+                tl.store(o + (t * H + i_h) * V + o_v, tl.zeros([BV], tl.float32)
+                         .to(o.dtype.element_ty), mask=o_v < V)
         return
-    p_h = memory + (row * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :]
     p_p = precision + (row * H + i_h) * K + o_k
-    b_h = tl.load(p_h, mask=m_h, other=0).to(tl.float32)
-    b_p = tl.load(p_p, mask=m_k, other=1).to(tl.float32)
-    for t in range(bos, bos + T):
-        p_t = (t * H + i_h) * K + o_k
-        b_q = tl.load(q + p_t, mask=m_k, other=0).to(tl.float32)
-        b_k = tl.load(k + p_t, mask=m_k, other=0).to(tl.float32)
-        b_la = tl.load(log_alpha + p_t, mask=m_k, other=0).to(tl.float32)
-        b_om = tl.load(omega + p_t, mask=m_k, other=0).to(tl.float32)
-        b_r = tl.load(r + t * H + i_h).to(tl.float32)
-        b_v = tl.load(v + (t * H + i_h) * V + o_v, mask=m_v, other=0).to(tl.float32)
-        k2 = b_k * b_k
-        predicted = tl.exp(2.0 * b_la) / b_p + b_om
-        gain = predicted * b_k / (b_r + tl.sum(predicted * k2, axis=0))
-        b_p = 1.0 / predicted + info_scale * k2 / b_r
-        b_h = b_h * tl.exp(tl.maximum(b_la, log_alpha_floor))[:, None]
-        innovation = b_v - tl.sum(b_h * b_k[:, None], axis=0)
-        b_h += gain[:, None] * innovation[None, :]
-        b_o = tl.sum(b_h * b_q[:, None], axis=0) * scale
-        tl.store(o + (t * H + i_h) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
-    tl.store(p_h, b_h.to(memory.dtype.element_ty), mask=m_h)
-    if i_v == 0:
-        tl.store(p_p, b_p, mask=m_k)
+    b_p0 = tl.load(p_p, mask=m_k, other=1).to(tl.float32)
+    b_p = b_p0
+    for v0 in range(0, V, BV):
+        o_v = v0 + tl.arange(0, BV)
+        m_v = o_v < V
+        m_h = m_k[:, None] & m_v[None, :]
+        p_h = memory + (row * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :]
+        b_h = tl.load(p_h, mask=m_h, other=0).to(tl.float32)
+        b_p = b_p0
+        for t in range(bos, bos + T):
+            p_t = (t * H + i_h) * K + o_k
+            b_q = tl.load(q + p_t, mask=m_k, other=0).to(tl.float32)
+            b_k = tl.load(k + p_t, mask=m_k, other=0).to(tl.float32)
+            b_la = tl.load(log_alpha + p_t, mask=m_k, other=0).to(tl.float32)
+            b_om = tl.load(omega + p_t, mask=m_k, other=0).to(tl.float32)
+            b_r = tl.load(r + t * H + i_h).to(tl.float32)
+            b_v = tl.load(v + (t * H + i_h) * V + o_v, mask=m_v, other=0).to(tl.float32)
+            k2 = b_k * b_k
+            predicted = tl.exp(2.0 * b_la) / b_p + b_om
+            gain = predicted * b_k / (b_r + tl.sum(predicted * k2, axis=0))
+            b_p = 1.0 / predicted + info_scale * k2 / b_r
+            b_h = b_h * tl.exp(tl.maximum(b_la, log_alpha_floor))[:, None]
+            innovation = b_v - tl.sum(b_h * b_k[:, None], axis=0)
+            b_h += gain[:, None] * innovation[None, :]
+            b_o = tl.sum(b_h * b_q[:, None], axis=0) * scale
+            tl.store(o + (t * H + i_h) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
+        tl.store(p_h, b_h.to(memory.dtype.element_ty), mask=m_h)
+    tl.store(p_p, b_p, mask=m_k)
 
 
 def recurrent_kdn_fwd(
@@ -272,7 +280,7 @@ def recurrent_kdn_fwd(
     tile, warps = decode_config(dv, False)
     tile, warps = block_v or tile, num_warps or warps
     o = torch.empty_like(v)
-    wrap_triton(_recurrent_kdn_kernel)[(triton.cdiv(dv, tile), b * h)](
+    wrap_triton(_recurrent_kdn_kernel)[(b * h,)](
         q, k, v, log_alpha, omega, r, o, memory, precision, indices,
         length, memory.shape[0], scale, info_scale, log_alpha_floor,
         H=h, K=dk, V=dv, BK=triton.next_power_of_2(dk), BV=tile, num_warps=warps,

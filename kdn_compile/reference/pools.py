@@ -97,7 +97,7 @@ def delta_rule_decode_reference(
             torch.where(valid[:, None, None, None, None], every, intermediate_states)
         )
     _state_to_pool(state, state_pool, pool_scales, state_indices, state_v_first)
-    return o.to(v.dtype)
+    return o.to(v.dtype).contiguous()
 
 
 def diag_kdn_decode_reference(
@@ -126,4 +126,4 @@ def diag_kdn_decode_reference(
     o = torch.where(valid[:, None, None, None], torch.stack(outputs, dim=1), 0.0)
     scatter_slots(memory_pool, state_indices, memory)
     scatter_slots(precision_pool, state_indices, precision)
-    return o.to(v.dtype)
+    return o.to(v.dtype).contiguous()
