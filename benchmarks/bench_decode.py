@@ -78,7 +78,7 @@ def check_correctness():
         for dtype in (torch.float32, torch.bfloat16, FP8):
             x = _inputs(3, 4, per_key, seed=1)
             pool, scales = _pool(5, dtype)
-            start = pool.float() if scales is None else (
+            start = pool.float().clone() if scales is None else (
                 kdn_compile.reference.fp8.dequantize_state_fp8(pool, scales))
             idx = torch.tensor([4, -1, 1], device="cuda")
             o = kdn_compile.delta_rule_decode(*x.values(), pool, idx, pool_scales=scales)

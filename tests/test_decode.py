@@ -114,10 +114,11 @@ def test_float8_store_is_bit_exact_on_the_same_state():
     state[1, 0, :, :64] = 0.0  # an all-zero tile: scale 1
     out = torch.empty(B, Hv, K, V, dtype=FP8)
     scales = torch.empty(B, Hv, 2)
-    recurrent_delta_fwd(x["q"], x["k"], x["v"], torch.zeros_like(x["g"]),
+    _, ok = recurrent_delta_fwd(x["q"], x["k"], x["v"], torch.zeros_like(x["g"]),
                         torch.zeros_like(x["beta"]), scale=0.5, state_in=state, state_out=out,
                         scales=scales, indices=torch.arange(B))
     values, expected_scales = quantize_state_fp8(state)
+    assert bool(ok)
     assert torch.equal(scales, expected_scales)
     assert torch.equal(out.view(torch.uint8), values.view(torch.uint8))
     assert scales[1, 0, 0] == 1.0
@@ -238,10 +239,17 @@ def test_repeated_or_out_of_range_indices_are_rejected_on_the_device():
     x = delta_inputs(B=3, T=1, Hk=1, Hv=2, K=4, V=3, dtype=torch.float32, with_state=False)
     pool = torch.zeros(4, 2, 4, 3)
     kdn_compile.delta_rule_decode(*x.values(), pool, torch.tensor([-1, -1, 2]))  # padding repeats
-    with pytest.raises(RuntimeError, match="repeat"):
-        kdn_compile.delta_rule_decode(*x.values(), pool, torch.tensor([1, 3, 1]))
-    with pytest.raises(RuntimeError, match="< the pool's slots"):
-        kdn_compile.delta_rule_decode(*x.values(), pool, torch.tensor([0, 4, 1]))
+    for backend in ("triton", "reference"):
+        with kdn_compile.use_backend(backend):
+            for bad in ([1, 3, 1], [0, 4, 1], [-1, 3, 3]):
+                with pytest.raises(RuntimeError, match="must not repeat a non-negative slot"):
+                    kdn_compile.delta_rule_decode(*x.values(), pool.clone(), torch.tensor(bad))
+    kd = kdn_inputs(B=2, T=1, H=2, K=4, V=3, dtype=torch.float32)
+    seq = [kd[n] for n in ("q", "k", "v", "log_alpha", "omega", "r")]
+    for backend in ("triton", "reference"):
+        with kdn_compile.use_backend(backend), pytest.raises(RuntimeError, match="< the pool"):
+            kdn_compile.diag_kdn_decode(*seq, torch.zeros(3, 2, 4, 3), torch.ones(3, 2, 4),
+                                        torch.tensor([2, 2]), scale=0.5, info_scale=1.0)
 
 
 def _bad(message, **change):
