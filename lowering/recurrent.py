@@ -27,6 +27,8 @@ never synchronize: every call can be captured in a CUDA graph.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -58,32 +60,34 @@ def recurrent_kernel_supports(q, v, state_dtypes=()) -> bool:
     )
 
 
-def decode_config(value_dim: int, float8: bool) -> tuple[int, int]:
-    """``(BV, num_warps)``: value columns per program and warps.
+def decode_config(rows: int, heads: int, value_dim: int, float8: bool) -> tuple[int, int]:
+    """``(BV, num_warps)``: value columns per program and warps, from shapes only.
 
-    A float8 pool needs ``BV = 64`` (one program per scale tile); otherwise 32-column
-    tiles on 4 warps (swept against 8 and 16 columns on 1-2 warps on the H200:
-    ``kdn-compile bench --ops decode``).
+    A float8 pool needs ``BV = 64`` (one program per scale tile). Otherwise 8-column tiles
+    on one warp while ``rows * heads`` is small (batch-1 latency: four times the programs of
+    32-column tiles), 32-column tiles on 4 warps above (H200 sweep, ``benchmarks/bench_decode.py``).
     """
     if float8:
         return min(FP8_BLOCK_V, triton.next_power_of_2(value_dim)), 4
+    if rows * heads < 512:
+        return min(8, triton.next_power_of_2(value_dim)), 1
     return min(32, triton.next_power_of_2(value_dim)), 4
 
 
 @triton.jit
 def _repeats(rows, r_ids, cols, c_ids, c_mask):
-    """How many non-negative ``rows`` reappear later (higher id) among ``cols``."""
+    """``[CB, CB]`` int32: 1 where a non-negative entry of ``rows`` reappears later (higher
+    id) among ``cols``."""
     repeated = (rows[:, None] == cols[None, :]) & (rows[:, None] >= 0)
-    repeated = repeated & (r_ids[:, None] < c_ids[None, :]) & c_mask[None, :]
-    return tl.sum(tl.sum(repeated.to(tl.int32), axis=1), axis=0)
+    return (repeated & (r_ids[:, None] < c_ids[None, :]) & c_mask[None, :]).to(tl.int32)
 
 
 @triton.jit
 def _round_to_e4m3(y):
     """``y`` (float32, ``|y| <= 448``) rounded to the nearest E4M3 value, ties to even, as
     float32: ``y`` in units of its E4M3 spacing ``2^(max(e, -6) - 3)``, rounded to an
-    integer by the ``1.5 * 2^23`` addition. The cast to float8 that follows is then exact
-    on every backend (Triton's interpreter rounds some float8 casts wrongly)."""
+    integer by the ``1.5 * 2^23`` addition, so that the cast to float8 that follows is exact:
+    Triton's interpreter rounds some float8 casts wrongly (1.955 to 1.0, triton 3.9)."""
     magnitude = tl.abs(y)
     bits = magnitude.to(tl.int32, bitcast=True)
     exponent = tl.maximum((bits >> 23) - 127, -6)
@@ -95,11 +99,16 @@ def _round_to_e4m3(y):
 
 
 @triton.jit
-def _fp8_tile(b_h, BOUND: tl.constexpr):
-    """``(values, scale)``: a float32 tile as E4M3 and its dynamic scale (amax / BOUND, 1 if 0)."""
+def _fp8_tile(b_h, BOUND: tl.constexpr, SOFT_CAST: tl.constexpr):
+    """``(values, scale)``: a float32 tile as E4M3 and its dynamic scale (amax / BOUND, 1 if
+    0). The GPU's conversion rounds to nearest even; ``SOFT_CAST`` (the interpreter) rounds
+    first with :func:`_round_to_e4m3`."""
     amax = tl.max(tl.max(tl.abs(b_h), axis=1), axis=0)
     s = tl.where(amax > 0, tl.math.div_rn(amax, BOUND), 1.0)
-    return _round_to_e4m3(tl.math.div_rn(b_h, s + tl.zeros_like(b_h))).to(tl.float8e4nv), s
+    scaled = tl.math.div_rn(b_h, s + tl.zeros_like(b_h))
+    if SOFT_CAST:
+        scaled = _round_to_e4m3(scaled)
+    return scaled.to(tl.float8e4nv), s
 
 
 @triton.jit
@@ -110,9 +119,9 @@ def _recurrent_delta_kernel(
     BK: tl.constexpr, BV: tl.constexpr, NS: tl.constexpr,
     PER_KEY: tl.constexpr, STATE_V_FIRST: tl.constexpr, LOAD: tl.constexpr,
     STORE: tl.constexpr, SLOTS: tl.constexpr, VARLEN: tl.constexpr, INTER: tl.constexpr,
-    CHECK_BLOCK: tl.constexpr,
+    CHECK_BLOCK: tl.constexpr, SOFT_CAST: tl.constexpr,
 ):
-    scale = scale.to(tl.float32)  # Inductor passes Python floats as fp64
+    scale = tl.cast(scale, tl.float32)  # Inductor passes Python floats as fp64
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // HV, i_nh % HV
     i_hk = i_h // (HV // HK)
@@ -135,16 +144,16 @@ def _recurrent_delta_kernel(
     row = i_n.to(tl.int64)
     if SLOTS:
         if i_nh + i_v == 0:  # one program checks every index (see recurrent_delta_fwd)
-            errors = 0
+            errors = tl.zeros([CHECK_BLOCK, CHECK_BLOCK], dtype=tl.int32)
             for r0 in range(0, num_rows, CHECK_BLOCK):
                 r_ids = r0 + tl.arange(0, CHECK_BLOCK)
                 rows = tl.load(indices + r_ids, mask=r_ids < num_rows, other=-1).to(tl.int64)
-                errors += tl.sum((rows >= num_slots).to(tl.int32), axis=0)
+                errors += (rows >= num_slots).to(tl.int32)[:, None]
                 for c0 in range(r0, num_rows, CHECK_BLOCK):
                     c_ids = c0 + tl.arange(0, CHECK_BLOCK)
                     cols = tl.load(indices + c_ids, mask=c_ids < num_rows, other=-1)
                     errors += _repeats(rows, r_ids, cols.to(tl.int64), c_ids, c_ids < num_rows)
-            tl.store(slots_ok, errors == 0)
+            tl.store(slots_ok, tl.sum(tl.sum(errors, axis=1), axis=0) == 0)
         row = tl.load(indices + i_n).to(tl.int64)
         if (row < 0) | (row >= num_slots):  # padding row: zero output, no state touched
             for t in range(bos, eos):
@@ -180,12 +189,12 @@ def _recurrent_delta_kernel(
     if STORE == 1:
         tl.store(state_out + base + p_tile, b_h.to(state_out.dtype.element_ty), mask=m_h)
     if STORE == 2:
-        values, s = _fp8_tile(b_h, 448.0)
+        values, s = _fp8_tile(b_h, 448.0, SOFT_CAST)
         tl.store(state_out + base + p_tile, values, mask=m_h)
         tl.store(scales_out + (row * HV + i_h) * NS + i_v, s)
 
 
-_CHECK_BLOCK = 64  # indices compared per block by the one program that checks them
+_CHECK_BLOCK = 16  # indices per block of the one program that compares them all
 
 
 def _launch(kernel, grid, like: torch.Tensor):
@@ -239,7 +248,7 @@ def recurrent_delta_fwd(
     hv, dv = v.shape[2], v.shape[3]
     n = b if cu_seqlens is None else cu_seqlens.shape[0] - 1
     float8 = _FP8 in (_state_kind(state_in), _state_kind(state_out))
-    tile, warps = decode_config(dv, float8)
+    tile, warps = decode_config(n, hv, dv, float8)
     tile, warps = block_v or tile, num_warps or warps
     o = torch.empty_like(v)
     slots = state_out.shape[0] if indices is not None else n
@@ -251,7 +260,8 @@ def recurrent_delta_fwd(
         NS=triton.cdiv(dv, FP8_BLOCK_V), PER_KEY=g.dim() == 4,
         STATE_V_FIRST=state_v_first, LOAD=_state_kind(state_in), STORE=_state_kind(state_out),
         SLOTS=indices is not None, VARLEN=cu_seqlens is not None,
-        INTER=intermediate is not None, CHECK_BLOCK=_CHECK_BLOCK, num_warps=warps,
+        INTER=intermediate is not None, CHECK_BLOCK=_CHECK_BLOCK,
+        SOFT_CAST=os.environ.get("TRITON_INTERPRET") == "1", num_warps=warps,
     )
     return o, ok
 
@@ -265,24 +275,24 @@ def _recurrent_kdn_kernel(
 ):
     # One program per (row, head) walks the value tiles in turn: the precision it updates
     # in place is read by every tile, so no other program may own a tile of this head.
-    scale, info_scale = scale.to(tl.float32), info_scale.to(tl.float32)  # fp64 from Inductor
-    log_alpha_floor = log_alpha_floor.to(tl.float32)
+    scale, info_scale = tl.cast(scale, tl.float32), tl.cast(info_scale, tl.float32)  # fp64 from
+    log_alpha_floor = tl.cast(log_alpha_floor, tl.float32)  # Inductor
     i_nh = tl.program_id(0)
     i_n, i_h = i_nh // H, i_nh % H
     bos = i_n.to(tl.int64) * T
     o_k = tl.arange(0, BK)
     m_k = o_k < K
     if i_nh == 0:  # one program checks every index (see recurrent_delta_fwd)
-        errors = 0
+        errors = tl.zeros([CHECK_BLOCK, CHECK_BLOCK], dtype=tl.int32)
         for r0 in range(0, num_rows, CHECK_BLOCK):
             r_ids = r0 + tl.arange(0, CHECK_BLOCK)
             rows = tl.load(indices + r_ids, mask=r_ids < num_rows, other=-1).to(tl.int64)
-            errors += tl.sum((rows >= num_slots).to(tl.int32), axis=0)
+            errors += (rows >= num_slots).to(tl.int32)[:, None]
             for c0 in range(r0, num_rows, CHECK_BLOCK):
                 c_ids = c0 + tl.arange(0, CHECK_BLOCK)
                 cols = tl.load(indices + c_ids, mask=c_ids < num_rows, other=-1)
                 errors += _repeats(rows, r_ids, cols.to(tl.int64), c_ids, c_ids < num_rows)
-        tl.store(slots_ok, errors == 0)
+        tl.store(slots_ok, tl.sum(tl.sum(errors, axis=1), axis=0) == 0)
     row = tl.load(indices + i_n).to(tl.int64)
     if (row < 0) | (row >= num_slots):  # padding row
         for t in range(bos, bos + T):
@@ -336,8 +346,9 @@ def recurrent_kdn_fwd(
     """
     b, length, h, dk = q.shape
     dv = v.shape[3]
-    tile, warps = decode_config(dv, False)
-    tile, warps = block_v or tile, num_warps or warps
+    # One program per (row, head) walks the value tiles: whole 128-column rows on 8 warps
+    tile = block_v or min(128, triton.next_power_of_2(dv))
+    warps = num_warps or 8
     o = torch.empty_like(v)
     ok = torch.empty((), dtype=torch.bool, device=q.device)
     _launch(_recurrent_kdn_kernel, (b * h,), q)(
