@@ -31,6 +31,8 @@ def test_demo_end_to_end():
     assert result.returncode == 0, result.stderr[-3000:]
     out = result.stdout
     assert "graph breaks: 0 " in out and "recompiles: 0" in out, out
+    # stdout is a pipe here: plain progress lines, no carriage-return redraws
+    assert "train step 3/3: loss " in out and "\r" not in out, out
     losses = re.search(r"held-out batch: ([\d.]+) before, ([\d.]+) after", out)
     assert losses and float(losses[2]) < float(losses[1]), out
     assert re.search(r"prefill 24 \+ decode 8 tokens vs one pass: .*\(ok\)", out), out
