@@ -51,6 +51,8 @@ setup() {
     for pin in "${EXTRA_PINS[@]}"; do
         module=${pin%%==*}
         module=${module//-/_}
+        # an older setuptools (a venv's own) cannot build the editable install's wheel
+        [ "$module" = setuptools ] && module=setuptools.command.bdist_wheel
         if ! python -c "import $module" 2>/dev/null; then
             "${pip[@]}" "$pin" || echo "dev.sh: could not install $pin (offline?); continuing" >&2
         fi
