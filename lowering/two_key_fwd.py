@@ -52,14 +52,13 @@ from kdn_compile.lowering.two_key_common import (
 )
 
 
-# Launch configurations (``benchmarks/tune_two_key.py`` times others): the pairs kernel
-# (16-key slices, 2 warps: the whole forward 0.945x its time at 32 / 4 warps at both
-# timed shapes once its halves became a loop, H200, 2026-12-01); the state pass for half
+# Launch configurations: the pairs kernel (16-key slices, 2 warps: the whole forward
+# 0.945x its time at 32 / 4 warps at 8x4096x16 and 1x32768x16, H200); the state pass for half
 # inputs (32-wide value tiles: twice the programs of 64 for the sequential pass and no
 # spills, ptxas sm_90, Triton 3.6: 232 registers at BV=32, 255 and 144 bytes of spill at
 # BV=64), and where that leaves fewer than two programs per multiprocessor 16-wide tiles
 # with three stages (see state_launch; the whole forward 0.91x its time at two stages at
-# 1x32768x16, H200, 2026-11-30; float32 inputs take one stage).
+# 1x32768x16, H200; float32 inputs take one stage).
 PAIRS_LAUNCH = {"BK": 16, "num_warps": 2, "num_stages": 1}
 STATE_LAUNCH = {"BV": 32, "num_warps": 4, "num_stages": 2}
 STATE_LAUNCH_NARROW = {"BV": 16, "num_warps": 4, "num_stages": 3}
@@ -458,7 +457,7 @@ def two_key_fwd(
         ascr, kd, vf, tmat, wk, u,
         bounds, chunk_seq, chunk_first, num_seqs,
         Hv=hv, K=key_dim, V=value_dim, BT=BT, BC=BC, BD=min(64, key_dim, value_dim),
-        # half inputs: 2 warps, the whole forward 0.96x its time at 4 (H200, 2026-12-01);
+        # half inputs: 2 warps, the whole forward 0.96x its time at 4 (H200);
         # float32 spills at either, more at 2 (ptxas sm_90)
         DOT_PREC=prec, num_warps=4 if dt == torch.float32 else 2, num_stages=1,
     )

@@ -10,9 +10,6 @@ and ints ``i32``, as Inductor's generated code types them. Prints one line per
 kernel, ``ok`` or the error, and exits non-zero if any failed, or if torch's
 mutation analysis of ``wrap_triton`` sees any launch (fixed length or packed) write
 an index tensor such as ``cu_seqlens`` (see ``lowering/_launch.py``).
-
-``benchmarks/kernel_resources.py`` reuses :func:`record_launches` and
-:func:`compile_sm90` (``aligned=True``) for its resource report.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ import sys
 import torch
 
 import kdn_compile
-from kdn_compile import check, demo
+from kdn_compile import capture_report, demo
 from kdn_compile.__main__ import main
 
 
@@ -31,6 +31,8 @@ def test_demo_end_to_end():
     assert result.returncode == 0, result.stderr[-3000:]
     out = result.stdout
     assert "graph breaks: 0 " in out and "recompiles: 0" in out, out
+    # stdout is a pipe here: plain progress lines, no carriage-return redraws
+    assert "train step 3/3: loss " in out and "\r" not in out, out
     losses = re.search(r"held-out batch: ([\d.]+) before, ([\d.]+) after", out)
     assert losses and float(losses[2]) < float(losses[1]), out
     assert re.search(r"prefill 24 \+ decode 8 tokens vs one pass: .*\(ok\)", out), out
@@ -51,13 +53,14 @@ def test_demo_other_layers_eager_in_process(capsys):
 def test_check_reports_every_op(capsys):
     assert main(["check", "--device", "cpu"]) == 0
     out = capsys.readouterr().out
-    for name in check.CASES:
+    for name in capture_report.CASES:
         row = next(line for line in out.splitlines() if line.startswith(name + " "))
         assert "FAIL" not in row and row.count("ok") == 4, row
 
 
 def test_check_flags_a_wrong_op(monkeypatch):
     broken = lambda **x: tuple(t + 1e-2 for t in kdn_compile.chunk_gdn(**x))  # noqa: E731
-    monkeypatch.setitem(check.CASES, "chunk_gdn", (broken, *check.CASES["chunk_gdn"][1:]))
-    row = check.check_op("chunk_gdn", torch.device("cpu"))
+    cases = capture_report.CASES
+    monkeypatch.setitem(cases, "chunk_gdn", (broken, *cases["chunk_gdn"][1:]))
+    row = capture_report.check_op("chunk_gdn", torch.device("cpu"))
     assert row["vs_reference"].startswith("FAIL") and row["failures"], row

@@ -41,7 +41,7 @@ GRADS = ("q", "k", "w", "v", "log_decay", "initial_state")
 FP32_TOL = 1e-4
 # Half precision: every output and gradient within 1e-2 (relative norm), except the
 # log-decay gradient, a sum over the chunk of products that cancel: 2e-2, as FLA's own
-# KDA / gated delta rule tests allow for dg. Measured on the H200 (bf16, 2026-11-30):
+# KDA / gated delta rule tests allow for dg. Measured on the H200 (bf16):
 # 1.07e-2 with half the gates at LOG_MEMORY_ALPHA_FLOOR, 1.20e-2 at LOG_DECAY_BOUND.
 HALF_TOL, HALF_GATE_GRAD_TOL = 1e-2, 2e-2
 
@@ -159,7 +159,7 @@ def run_case(x, cu_seqlens, *, dtype, device, tol, state_v_first=False, seed=1):
 CPU_CASES = [
     # id, (B, T, Hk, Hv, K, V), cu_seqlens, gate_min, floor_share, with_state, state_v_first
     # (float32; the fp16 case below checks half-precision storage: the interpreter's
-    # bf16 tl.dot is wrong, 2026-11-30, Triton 3.9 CPU, so bf16 runs on CUDA only)
+    # bf16 tl.dot is wrong on the CPU with Triton 3.9, so bf16 runs on CUDA only)
     ("T1", (1, 1, 1, 1, 16, 16), None, -1.0, 0.0, True, False),
     ("T63-grouped", (1, 63, 1, 2, 16, 16), None, -1.0, 0.0, True, False),
     ("T65-K32-floor", (1, 65, 1, 1, 32, 16), None, LOG_MEMORY_ALPHA_FLOOR, 0.5, True, False),
@@ -468,8 +468,8 @@ def _kda_x(T, K, seed):
 def test_chunk_kda_backward_at_the_bound_with_large_gradients():
     """Four tokens of one 8-token half at the bound (-20) and gradients in the hundreds:
     the backward's diagonal block keeps its factors within e^40 there (quarters), where
-    halves reached e^80 and overflowed float32 once ``|dA w|`` passed 6e3 (inf ``dq``,
-    NaN ``dg``, found by a breaker run, 2026-12-01). Every gradient against float64."""
+    halves would reach e^80 and overflow float32 once ``|dA w|`` passes 6e3 (inf ``dq``,
+    NaN ``dg``). Every gradient against float64."""
     import kdn_compile
     from kdn_compile.reference import chunk_kda_reference
 

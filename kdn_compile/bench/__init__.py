@@ -1,0 +1,46 @@
+"""``kdn-compile bench``: time the ops and layers on one CUDA GPU, optionally against FLA.
+
+    kdn-compile bench [--ops gdn,kda,kdn,layers] [--shapes BxTxH,...] [--against fla] [--out DIR]
+
+For each op family the command first checks ours (and FLA's, with ``--against fla``)
+against the reference at a small shape, then times every shape with
+``triton.testing.do_bench`` medians after a warm-up, prints a markdown table and writes
+to ``--out``: ``rows.json`` (one row per measurement with GPU, versions, commit and UTC
+time), ``results.md`` (the tables) and, where matplotlib is installed
+(``pip install kdn-compile[bench]``), PNG plots of time against sequence length and
+against batch.
+
+Adding an op family
+-------------------
+A family is a module of this package named in :data:`FAMILIES` (``--ops`` name ->
+module). It defines:
+
+``TITLE: str``
+    the heading of its table, naming what every shape shares (head size, dtype, ...).
+``DEFAULT_SHAPES: tuple[Shape, ...]``
+    the shapes timed when ``--shapes`` is not given.
+``check(fla: bool) -> dict[str, float]``
+    runs ours (and FLA's when ``fla`` is true) at a small shape against the reference
+    and returns the relative errors by name (``"o"``, ``"dq"``, ``"o (FLA)"``, ...);
+    raises :class:`~kdn_compile.bench.timing.CheckFailed` when one is above its tolerance.
+    Called once, before any timing.
+``measure(shape: Shape, fla: bool) -> list[dict]``
+    times one shape and returns one row per measurement: ``{"case": str, "impl": str,
+    "ms": float}`` plus, optionally, ``"peak_mib": float``. ``impl`` is ``"ours"`` for the
+    timed kdn function, ``"FLA"`` for FLA's; other names (``"ours eager"``) add columns.
+    The command adds the family, the shape and the run's metadata to each row.
+
+:mod:`kdn_compile.bench.timing` holds the shared helpers (:func:`~.timing.median_ms`,
+:func:`~.timing.rotating`, :func:`~.timing.peak_mib`, :func:`~.timing.relative_error`).
+"""
+
+from kdn_compile.bench.timing import CheckFailed, Shape, parse_shapes
+
+FAMILIES = {
+    "gdn": "kdn_compile.bench.gdn",
+    "kda": "kdn_compile.bench.kda",
+    "kdn": "kdn_compile.bench.kdn",
+    "layers": "kdn_compile.bench.layers",
+}
+
+__all__ = ["FAMILIES", "CheckFailed", "Shape", "parse_shapes"]

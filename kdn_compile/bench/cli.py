@@ -1,0 +1,103 @@
+"""The ``kdn-compile bench`` command: arguments, refusals, and the run over families."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import sys
+
+from kdn_compile.bench import FAMILIES
+from kdn_compile.bench.timing import CheckFailed, parse_shapes
+
+NO_CUDA = 2  # exit code when the command cannot run here (no CUDA, FLA asked for but absent)
+
+
+def _ops(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in FAMILIES]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown op family {', '.join(unknown) or '(none)'}; choose from {', '.join(FAMILIES)}")
+    return names
+
+
+def _shapes(text: str):
+    try:
+        return parse_shapes(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--ops", type=_ops, default=list(FAMILIES),
+                        help=f"comma-separated op families (default {','.join(FAMILIES)})")
+    parser.add_argument("--shapes", type=_shapes, default=None,
+                        help="comma-separated BxTxH (batch x length x heads); default: each "
+                             "family's own")
+    parser.add_argument("--against", choices=["fla"], default=None,
+                        help="also time flash-linear-attention (must be importable as fla)")
+    parser.add_argument("--out", default="bench-results",
+                        help="folder for rows.json, results.md and the plots "
+                             "(default ./bench-results)")
+
+
+def _refusal(args: argparse.Namespace) -> str | None:
+    import torch
+
+    if not torch.cuda.is_available():
+        return ("kdn-compile bench: needs a CUDA GPU (torch.cuda.is_available() is False); "
+                "the kernels it times run on CUDA only")
+    if args.against == "fla" and importlib.util.find_spec("fla") is None:
+        return ("kdn-compile bench: --against fla needs flash-linear-attention "
+                "(pip install flash-linear-attention), and `import fla` fails here")
+    return None
+
+
+def reproducing_command(args: argparse.Namespace) -> str:
+    """The command line that repeats this run (every option spelled out)."""
+    shapes = ",".join(map(str, args.shapes)) if args.shapes else None
+    return " ".join(["kdn-compile bench", f"--ops {','.join(args.ops)}",
+                     *([f"--shapes {shapes}"] if shapes else []),
+                     *([f"--against {args.against}"] if args.against else [])])
+
+
+def run(args: argparse.Namespace) -> int:
+    """Check, time and report every family of ``args.ops``; returns the exit code: 0, 1
+    when a correctness check failed (nothing of that family is timed), ``NO_CUDA`` when
+    the command cannot run here."""
+    refusal = _refusal(args)
+    if refusal:
+        print(refusal, file=sys.stderr)
+        return NO_CUDA
+    from kdn_compile.bench import report
+    from kdn_compile.bench.timing import run_metadata
+
+    meta = run_metadata()
+    against = args.against == "fla"
+    command = reproducing_command(args)
+    print(report.describe(meta, command), flush=True)
+    done, failed = [], False
+    for name in args.ops:
+        family = importlib.import_module(FAMILIES[name])
+        try:
+            errors = family.check(against)
+        except CheckFailed as error:
+            print(f"{name}: CHECK FAILED, not timed: {error}", flush=True)
+            failed = True
+            continue
+        print(f"{name}: checked against the reference: "
+              + ", ".join(f"{k} {v:.1e}" for k, v in errors.items()), flush=True)
+        rows = []
+        for shape in args.shapes or family.DEFAULT_SHAPES:
+            for row in family.measure(shape, against):
+                rows.append({"family": name, **row, "batch": shape.batch,
+                             "length": shape.length, "heads": shape.heads})
+            print(f"{name} {shape}: done", flush=True)
+        done.append((name, family.TITLE, rows))
+        print(f"\n### {family.TITLE}\n\n{report.table(rows)}\n", flush=True)
+    paths = report.write(args.out, [(title, rows) for _, title, rows in done], meta, command)
+    for name, _, rows in done:
+        paths += report.plot(args.out, name, rows)
+    print("wrote " + ", ".join(paths))
+    return 1 if failed else 0

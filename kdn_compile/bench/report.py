@@ -1,0 +1,120 @@
+"""Tables, JSON rows and plots of ``kdn-compile bench`` results.
+
+A row is one measurement: ``family``, ``case``, ``impl``, ``batch``, ``length``,
+``heads``, ``ms`` and optionally ``peak_mib``, plus the run's metadata (``gpu``,
+``torch``, ``triton``, ``fla``, ``commit``, ``time``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+
+META_KEYS = ("gpu", "torch", "triton", "fla", "commit", "time")
+
+
+def _shape(row: dict) -> str:
+    return f"{row['batch']}x{row['length']}x{row['heads']}"
+
+
+def _unique(values):
+    return list(dict.fromkeys(values))
+
+
+def table(rows: Sequence[dict]) -> str:
+    """A markdown table of one family's rows: one line per (case, shape), the milliseconds
+    of each implementation, ``ours / FLA`` where both ran, and peak memory where measured."""
+    impls = _unique(r["impl"] for r in rows)
+    by_key = {(r["case"], _shape(r), r["impl"]): r for r in rows}
+    with_fla = "ours" in impls and "FLA" in impls
+    peaks = [i for i in impls if any("peak_mib" in r for r in rows if r["impl"] == i)]
+    header = ["case", "B x T x H", *(f"{i} ms" for i in impls)]
+    header += ["ours / FLA"] if with_fla else []
+    header += [f"{i} peak MiB" for i in peaks]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for case, shape in _unique((r["case"], _shape(r)) for r in rows):
+        got = {i: by_key.get((case, shape, i)) for i in impls}
+        cells = [case, shape]
+        cells += [f"{got[i]['ms']:.3f}" if got[i] else "-" for i in impls]
+        if with_fla:
+            ours, fla = got["ours"], got["FLA"]
+            cells.append(f"{ours['ms'] / fla['ms']:.2f}" if ours and fla else "-")
+        cells += [f"{got[i]['peak_mib']:.0f}" if got[i] and "peak_mib" in got[i] else "-"
+                  for i in peaks]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def describe(meta: dict, command: str) -> str:
+    """One line naming the GPU, versions, commit and time of a run, and its command."""
+    return (f"{meta['gpu']}, torch {meta['torch']}, Triton {meta['triton']}, FLA: {meta['fla']}; "
+            f"commit {meta['commit']}, {meta['time']}; `{command}`; "
+            "milliseconds are triton.testing.do_bench medians")
+
+
+def markdown(sections: Sequence[tuple[str, Sequence[dict]]], meta: dict, command: str) -> str:
+    """The results page: the run's description, then ``### title`` and a table per family."""
+    parts = [describe(meta, command)]
+    for title, rows in sections:
+        parts += [f"### {title}", table(rows)]
+    return "\n\n".join(parts) + "\n"
+
+
+def write(out_dir: str, sections: Sequence[tuple[str, Sequence[dict]]], meta: dict,
+          command: str) -> list[str]:
+    """Writes ``rows.json`` (every row with the metadata) and ``results.md`` under
+    ``out_dir`` (created if missing); returns the paths."""
+    os.makedirs(out_dir, exist_ok=True)
+    rows = [dict(row, **meta) for _, family in sections for row in family]
+    paths = [os.path.join(out_dir, "rows.json"), os.path.join(out_dir, "results.md")]
+    with open(paths[0], "w") as f:
+        json.dump(rows, f, indent=1)
+    with open(paths[1], "w") as f:
+        f.write(markdown(sections, meta, command))
+    return paths
+
+
+def _series(rows, fixed: str, along: str):
+    """``{(case, impl, fixed value): [(along value, ms), ...]}`` with heads held at their
+    most common value, keeping only series of two points or more."""
+    if not rows:
+        return {}
+    heads = max(_unique(r["heads"] for r in rows), key=[r["heads"] for r in rows].count)
+    found = {}
+    for r in rows:
+        if r["heads"] == heads:
+            found.setdefault((r["case"], r["impl"], r[fixed]), []).append((r[along], r["ms"]))
+    return {key: sorted(points) for key, points in found.items() if len(points) > 1}
+
+
+def plot(out_dir: str, family: str, rows: Sequence[dict]) -> list[str]:
+    """PNG plots of time against sequence length (batch fixed) and against batch (length
+    fixed), one line per implementation and case; returns the paths written. Prints why
+    and returns ``[]`` when matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("kdn-compile bench: matplotlib is not installed, no plots "
+              "(pip install 'kdn-compile[bench]')")
+        return []
+    paths = []
+    for along, fixed, label in (("length", "batch", "sequence length T"),
+                                ("batch", "length", "batch B")):
+        series = _series(rows, fixed, along)
+        if not series:
+            continue
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for (case, impl, value), points in series.items():
+            ax.plot(*zip(*points), marker="o", label=f"{case} {impl} ({fixed} {value})")
+        ax.set(xscale="log", yscale="log", xlabel=label, ylabel="ms (median)", title=family)
+        ax.legend(fontsize="small")
+        fig.tight_layout()
+        path = os.path.join(out_dir, f"{family}-vs-{along}.png")
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        paths.append(path)
+    return paths

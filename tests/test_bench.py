@@ -1,0 +1,119 @@
+"""``kdn-compile bench`` without a GPU: arguments, refusals, tables, JSON and plots."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+
+import pytest
+import torch
+
+from kdn_compile.__main__ import main
+from kdn_compile.bench import FAMILIES, Shape, cli, parse_shapes, report
+from kdn_compile.bench.timing import CheckFailed, require_close
+
+META = {"gpu": "NVIDIA H200", "torch": "2.11.0", "triton": "3.6.0", "fla": "fla-core 0.6.0",
+        "commit": "abc1234", "time": "2026-12-01T03:30:00+00:00"}
+
+
+def fake_rows():
+    rows = []
+    for length, batch, ours, fla in ((4096, 8, 2.0, 2.5), (32768, 1, 3.0, 2.0), (8192, 8, 4.0, 5.0)):
+        for impl, ms in (("ours", ours), ("FLA", fla)):
+            rows.append({"family": "kda", "case": "fwd", "impl": impl, "ms": ms,
+                         "batch": batch, "length": length, "heads": 16})
+    rows.append({"family": "kda", "case": "fwd+bwd", "impl": "ours", "ms": 7.0,
+                 "peak_mib": 1185.4, "batch": 8, "length": 4096, "heads": 16})
+    return rows
+
+
+def parser():
+    p = argparse.ArgumentParser()
+    cli.add_arguments(p)
+    return p
+
+
+def test_shapes_parse_and_reject():
+    assert parse_shapes("8x4096x16, 1X32768x16") == [Shape(8, 4096, 16), Shape(1, 32768, 16)]
+    assert str(Shape(8, 4096, 16)) == "8x4096x16"
+    for bad in ("8x4096", "8x4096x0", "8x4096x16x2", "axbxc", ""):
+        with pytest.raises(ValueError, match="BxTxH"):
+            parse_shapes(bad)
+
+
+def test_arguments_defaults_and_errors(capsys):
+    args = parser().parse_args([])
+    assert args.ops == list(FAMILIES) and args.shapes is None and args.against is None
+    args = parser().parse_args(["--ops", "gdn,layers", "--shapes", "2x64x4", "--against", "fla",
+                                "--out", "x"])
+    assert args.ops == ["gdn", "layers"] and args.shapes == [Shape(2, 64, 4)]
+    assert cli.reproducing_command(args) == (
+        "kdn-compile bench --ops gdn,layers --shapes 2x64x4 --against fla")
+    for bad in (["--ops", "gdn,nope"], ["--shapes", "8x4096"], ["--against", "flash"]):
+        with pytest.raises(SystemExit) as exit_info:
+            parser().parse_args(bad)
+        assert exit_info.value.code == 2
+    assert "unknown op family nope" in capsys.readouterr().err
+
+
+def test_refuses_without_cuda(monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["bench", "--out", str(tmp_path)]) == cli.NO_CUDA
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
+
+
+def test_against_fla_refused_when_fla_is_missing(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    args = parser().parse_args(["--against", "fla"])
+    assert cli.run(args) == cli.NO_CUDA
+    assert "--against fla needs flash-linear-attention" in capsys.readouterr().err
+
+
+def test_every_family_has_the_interface():
+    for name, module in FAMILIES.items():
+        family = importlib.import_module(module)
+        assert isinstance(family.TITLE, str) and family.TITLE, name
+        assert family.DEFAULT_SHAPES and all(isinstance(s, Shape) for s in family.DEFAULT_SHAPES)
+        assert callable(family.check) and callable(family.measure), name
+
+
+def test_table_has_ratio_peaks_and_gaps():
+    lines = report.table(fake_rows()).splitlines()
+    assert lines[0] == ("| case | B x T x H | ours ms | FLA ms | ours / FLA | ours peak MiB |")
+    assert lines[2] == "| fwd | 8x4096x16 | 2.000 | 2.500 | 0.80 | - |"
+    assert lines[3] == "| fwd | 1x32768x16 | 3.000 | 2.000 | 1.50 | - |"
+    assert lines[-1] == "| fwd+bwd | 8x4096x16 | 7.000 | - | - | 1185 |"
+
+
+def test_write_json_rows_and_markdown(tmp_path):
+    paths = report.write(str(tmp_path / "out"), [("KDA", fake_rows())], META, "kdn-compile bench")
+    rows = json.loads((tmp_path / "out" / "rows.json").read_text())
+    assert len(rows) == len(fake_rows()) and all(r["gpu"] == "NVIDIA H200" for r in rows)
+    assert {"commit", "time", "torch", "triton", "fla", "ms", "batch"} <= set(rows[0])
+    text = (tmp_path / "out" / "results.md").read_text()
+    assert "NVIDIA H200, torch 2.11.0" in text and "commit abc1234" in text
+    assert "### KDA\n\n| case |" in text and "`kdn-compile bench`" in text
+    assert [p.rsplit("/", 1)[1] for p in paths] == ["rows.json", "results.md"]
+
+
+def test_plots_skipped_without_matplotlib(monkeypatch, capsys, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    assert report.plot(str(tmp_path), "kda", fake_rows()) == []
+    assert "matplotlib is not installed" in capsys.readouterr().out
+
+
+def test_plot_series_need_two_points():
+    by_length = report._series(fake_rows(), "batch", "length")
+    assert by_length == {("fwd", "ours", 8): [(4096, 2.0), (8192, 4.0)],
+                         ("fwd", "FLA", 8): [(4096, 2.5), (8192, 5.0)]}
+    assert report._series(fake_rows(), "length", "batch") == {}
+
+
+def test_require_close_names_what_failed():
+    assert require_close({"o": 1e-3}, 1e-2, "gdn") == {"o": 1e-3}
+    with pytest.raises(CheckFailed, match=r"gdn: .* dq 5\.00e-02, dk nan"):
+        require_close({"o": 1e-3, "dq": 5e-2, "dk": float("nan")}, 1e-2, "gdn")

@@ -1,0 +1,27 @@
+"""The quickstart runs as written, and the README and the docs show the same code."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def python_block(path: Path) -> str:
+    """The first ```python block of a markdown file."""
+    found = re.search(r"```python\n(.*?)```", path.read_text(), re.S)
+    assert found, f"no python block in {path}"
+    return found[1]
+
+
+def test_quickstart_runs_and_matches_the_readme():
+    code = python_block(ROOT / "docs" / "quickstart.md")
+    assert code == python_block(ROOT / "README.md"), "README and docs/quickstart.md differ"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=600, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    loss = float(re.fullmatch(r"loss ([\d.]+)\n", done.stdout)[1])
+    assert 4.0 < loss < 6.0, done.stdout
