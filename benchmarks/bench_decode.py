@@ -40,6 +40,14 @@ def _ms(fn) -> float:
     return do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
+def _graphed_ms(fn) -> float:
+    fn()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return _ms(graph.replay)
+
+
 def _inputs(B, T, per_key, hk=HK, hv=HV, seed=0):
     gen = torch.Generator(device="cuda").manual_seed(seed)
     r = lambda *s: torch.randn(*s, device="cuda", generator=gen)  # noqa: E731
@@ -105,18 +113,18 @@ def sweep():
                 fn = lambda: recurrent_delta_fwd(  # noqa: E731
                     *x.values(), scale=K**-0.5, state_in=pool, state_out=pool, indices=idx,
                     block_v=bv, num_warps=warps)
-                ms = _ms(fn)
+                ms = _graphed_ms(fn)
                 _row(kind="sweep", B=B, BV=bv, warps=warps, ms=ms,
                      GBps=_state_bytes(B, torch.float32) / ms / 1e6)
-    for B in (64, 256):  # float8 pools: BV = 64 fixed, warps swept
+    for B in (1, 64, 256):  # float8 pools: BV = 64 fixed, warps swept
         x = _inputs(B, 1, False)
         pool, scales = _pool(B, FP8)
         idx = torch.randperm(B, device="cuda")
-        for warps in (2, 4, 8):
+        for warps in (1, 2, 4, 8):
             fn = lambda: recurrent_delta_fwd(  # noqa: E731
                 *x.values(), scale=K**-0.5, state_in=pool, state_out=pool, scales=scales,
                 indices=idx, num_warps=warps)
-            ms = _ms(fn)
+            ms = _graphed_ms(fn)
             _row(kind="sweep-fp8", B=B, BV=64, warps=warps, ms=ms,
                  GBps=_state_bytes(B, FP8) / ms / 1e6)
 
@@ -147,9 +155,10 @@ def decode_table(fla):
                         fn = lambda: fla.fused_recurrent_kda(  # noqa: E731
                             x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=h0,
                             output_final_state=True)
-                    else:
+                    else:  # FLA 0.6.0's GDN fails with grouped value heads: q, k repeated
+                        qe, ke = (x[n].repeat_interleave(HV // HK, 2) for n in "qk")
                         fn = lambda: fla.fused_recurrent_gated_delta_rule(  # noqa: E731
-                            x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=h0,
+                            qe, ke, x["v"], x["g"], x["beta"], initial_state=h0,
                             output_final_state=True)
                     ms = _ms(fn)
                     row["fla_ms"] = ms
@@ -164,19 +173,21 @@ def graphed_table(fla):
             x = _inputs(B, 1, per_key)
             idx = torch.randperm(B, device="cuda")
             pool, _ = _pool(B, torch.float32)
-            fns = {"ours": lambda: kdn_compile.delta_rule_decode(*x.values(), pool, idx)}
+            pool8, scales8 = _pool(B, FP8)
+            poolb, _ = _pool(B, torch.bfloat16)
+            fns = {"ours": lambda: kdn_compile.delta_rule_decode(*x.values(), pool, idx),
+                   "ours_bf16": lambda: kdn_compile.delta_rule_decode(*x.values(), poolb, idx),
+                   "ours_fp8": lambda: kdn_compile.delta_rule_decode(
+                       *x.values(), pool8, idx, pool_scales=scales8)}
             if fla is not None:
                 h0 = torch.randn(B, HV, K, V, device="cuda") * 0.1
                 f = fla.fused_recurrent_kda if per_key else fla.fused_recurrent_gated_delta_rule
-                fns["fla"] = lambda: f(x["q"], x["k"], x["v"], x["g"], x["beta"],  # noqa: E731
+                qe, ke = (x[n] if per_key else x[n].repeat_interleave(HV // HK, 2) for n in "qk")
+                fns["fla"] = lambda: f(qe, ke, x["v"], x["g"], x["beta"],  # noqa: E731
                                        initial_state=h0, output_final_state=True)
             row = dict(kind="graphed", op="kda" if per_key else "gdn", B=B, T=1)
             for name, fn in fns.items():
-                fn()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    fn()
-                ms = _ms(graph.replay)
+                ms = _graphed_ms(fn)
                 row[f"{name}_ms"] = ms
                 row[f"{name}_GBps"] = _state_bytes(B, torch.float32) / ms / 1e6
             _row(**row)
@@ -200,7 +211,11 @@ def kdn_table():
             x = _inputs(B, T, True, hk=HV)
             pool, _ = _pool(B, torch.float32)
             kda = _ms(lambda: kdn_compile.delta_rule_decode(*x.values(), pool, idx))  # noqa: E731
+            kdn_g = _graphed_ms(lambda: kdn_compile.diag_kdn_decode(  # noqa: E731
+                q, k, v, la, om, rr, memory, precision, idx, scale=K**-0.5, info_scale=1.0))
+            kda_g = _graphed_ms(lambda: kdn_compile.delta_rule_decode(*x.values(), pool, idx))
             _row(kind="kdn", B=B, T=T, H=HV, kdn_ms=ms, kda_ms=kda, ratio=ms / kda,
+                 kdn_graphed_ms=kdn_g, kda_graphed_ms=kda_g, graphed_ratio=kdn_g / kda_g,
                  GBps=(_state_bytes(B, torch.float32) + 2 * B * HV * K * 4) / ms / 1e6)
 
 
