@@ -24,6 +24,8 @@ from kdn_compile._checks import (
     check_kdn_inputs,
     check_tensor,
 )
+from kdn_compile.ops.decode import eager_cuda
+from kdn_compile.ops.recurrent import recurrent_delta_rule_body
 from kdn_compile.reference.kdn import DEFAULT_CHUNK_SIZE
 
 __all__ = ["chunk_gdn", "chunk_kda", "recurrent_delta_rule", "diag_kdn", "state_fp8_qdq"]
@@ -264,6 +266,10 @@ def recurrent_delta_rule(
     check_flag("state_v_first", state_v_first)
     op = (_ops.recurrent_delta_rule if prefer_kernels(q.device.type)
           else _ops.recurrent_delta_rule_reference)
+    tensors = (q, k, v, g, beta, initial_state)
+    if (op is _ops.recurrent_delta_rule and eager_cuda(q) and not (
+            torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors))):
+        op = recurrent_delta_rule_body  # no gradient: the op's own body, without the dispatcher
     return op(
         q, k, v, g, beta, initial_state, _contiguous(cu_seqlens), _scale(scale, q), state_v_first
     )

@@ -10,7 +10,9 @@ step can be captured in a CUDA graph (``torch.compile(..., mode="reduce-overhead
 
 Each function validates its arguments, then calls one ``torch.ops.kdn`` op whose
 schema declares the mutated pools: the Triton kernel op on CUDA (backend ``"auto"``),
-the exact reference op elsewhere (CPU, float64, backend ``"reference"``).
+the exact reference op elsewhere (CPU, float64, backend ``"reference"``). Called eagerly
+on plain CUDA tensors, the kernel op's body runs directly (the same code, without the
+dispatcher's host time).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import kdn_compile.ops  # noqa: F401  (registers torch.ops.kdn)
 from kdn_compile._backend import prefer_kernels
 from kdn_compile._checks import check_delta_inputs, check_float, check_flag, check_kdn_inputs
 from kdn_compile._checks import check_pool, check_slot_indices
+from kdn_compile.ops.decode import delta_rule_decode_body, diag_kdn_decode_body, eager_cuda
 from kdn_compile.reference.pools import POOL_BLOCK_V
 
 __all__ = ["MAX_DECODE_TOKENS", "delta_rule_decode", "diag_kdn_decode"]
@@ -130,6 +133,8 @@ def delta_rule_decode(
                    (t,) + state_shape, allowed, q.device, slots=b)
     check_slot_indices(state_indices, b, slots, q.device)
     op = _ops.delta_rule_decode if prefer_kernels(q.device.type) else _ops.delta_rule_decode_reference
+    if op is _ops.delta_rule_decode and eager_cuda(q):
+        op = delta_rule_decode_body  # the op's own body, without the dispatcher
     scale = dk**-0.5 if scale is None else check_float("scale", scale)
     return op(q, k, v, g, beta, state_pool, state_indices, scale, state_v_first, pool_scales,
               intermediate_states)
@@ -196,5 +201,7 @@ def diag_kdn_decode(
     check_slot_indices(state_indices, b, slots, q.device)
     scale, info_scale = check_float("scale", scale), check_float("info_scale", info_scale)
     op = _ops.diag_kdn_decode if prefer_kernels(q.device.type) else _ops.diag_kdn_decode_reference
+    if op is _ops.diag_kdn_decode and eager_cuda(q):
+        op = diag_kdn_decode_body  # the op's own body, without the dispatcher
     return op(q, k, v, log_alpha, omega, r, memory_pool, precision_pool, state_indices, scale,
               info_scale)

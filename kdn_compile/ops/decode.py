@@ -61,8 +61,7 @@ def _delta_kernels(q, v, state_pool, intermediate_states) -> bool:
     return can_launch(q) and recurrent_kernel_supports(q, v, states)
 
 
-@torch.library.triton_op("kdn::delta_rule_decode", mutates_args=_DELTA_MUTATES)
-def delta_rule_decode_op(
+def delta_rule_decode_body(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state_pool: Tensor,
     state_indices: Tensor, scale: float, state_v_first: bool,
     pool_scales: Optional[Tensor], intermediate_states: Optional[Tensor],
@@ -81,6 +80,9 @@ def delta_rule_decode_op(
     torch._assert_async(slots_ok, SLOT_ERROR)
     return o
 
+
+delta_rule_decode_op = torch.library.triton_op(
+    "kdn::delta_rule_decode", delta_rule_decode_body, mutates_args=_DELTA_MUTATES)
 
 _KDN_MUTATES = ("memory_pool", "precision_pool")
 
@@ -112,8 +114,7 @@ def _kdn_kernels(q, v, memory_pool, precision_pool) -> bool:
     )
 
 
-@torch.library.triton_op("kdn::diag_kdn_decode", mutates_args=_KDN_MUTATES)
-def diag_kdn_decode_op(
+def diag_kdn_decode_body(
     q: Tensor, k: Tensor, v: Tensor, log_alpha: Tensor, omega: Tensor, r: Tensor,
     memory_pool: Tensor, precision_pool: Tensor, state_indices: Tensor, scale: float,
     info_scale: float,
@@ -131,3 +132,17 @@ def diag_kdn_decode_op(
     )
     torch._assert_async(slots_ok, SLOT_ERROR)
     return o
+
+
+diag_kdn_decode_op = torch.library.triton_op(
+    "kdn::diag_kdn_decode", diag_kdn_decode_body, mutates_args=_KDN_MUTATES)
+
+
+def eager_cuda(x: Tensor) -> bool:
+    """True for a plain CUDA tensor outside any tracing or dispatch mode: there a public
+    function may call an op's body (``*_body``) directly, the same code without the
+    dispatcher's host time (most of an eager decode step's). Under ``torch.compile``,
+    export or a dispatch mode the op itself is called."""
+    return (type(x) is Tensor and x.is_cuda and not torch.compiler.is_compiling()
+            and torch._C._len_torch_dispatch_stack() == 0)
+

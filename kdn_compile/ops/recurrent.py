@@ -57,8 +57,7 @@ def _recurrent_kernels(q, v, initial_state) -> bool:
     return can_launch(q) and recurrent_kernel_supports(q, v, states)
 
 
-@torch.library.triton_op("kdn::recurrent_delta_rule", mutates_args=())
-def recurrent_delta_rule_op(
+def recurrent_delta_rule_body(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
     initial_state: Optional[Tensor], cu_seqlens: Optional[Tensor],
     scale: float, state_v_first: bool,
@@ -80,6 +79,9 @@ def recurrent_delta_rule_op(
     )
     return o, final_state
 
+
+recurrent_delta_rule_op = torch.library.triton_op(
+    "kdn::recurrent_delta_rule", recurrent_delta_rule_body, mutates_args=())
 
 RECURRENT_DELTA_RULE.attach_autograd(
     recurrent_delta_rule_op, RECURRENT_DELTA_RULE.reference_backward
