@@ -10,18 +10,19 @@ written once per call whatever ``T`` is: the cost of a decode step is that traff
   (row ``n``) or from a pool (slot ``state_indices[n]``), in float32, bfloat16 or
   float8 E4M3 with one float32 scale per ``[K, 64]`` tile, and goes to a new float32
   state or back to the pool in its dtype.
-* :func:`recurrent_kdn_fwd`: Diag-KDN, the Kalman gain step (covariance with the raw
-  ``alpha``, memory with ``log alpha`` floored) then the two-key update, over a memory
-  pool (float32 or bfloat16) and a float32 precision pool.
+* :func:`recurrent_kdn_fwd`: Diag-KDN over a memory pool (float32 or bfloat16) and a
+  float32 precision pool: the Kalman gains of the step's tokens and the new precision
+  (covariance with the raw ``alpha``; one small program per row and head), then the same
+  delta-rule kernel with the gain as its write key and ``log alpha`` floored for the memory.
 
 A negative slot marks a padding row: its output is zeros and nothing else is read or
 written. One program of each decode launch also checks every index (none ``>= S``, no
 non-negative one repeated) into a flag that the op asserts on without a host sync; a slot
 ``>= S`` is skipped like a padding row, so no launch touches memory past the pool. Float8 stores round as
 :func:`kdn_compile.reference.fp8.quantize_state_fp8`: ``scale = amax / 448`` of the
-tile (1 when all zero) and values ``state / scale`` to nearest-even E4M3, both
-divisions correctly rounded (``div_rn``), so a kernel's pool equals the reference's
-bit for bit on the same float32 state. Launchers size grids from shapes alone and
+tile (1 when all zero) and values ``state / scale`` to nearest-even E4M3 (a correctly
+rounded division, ``div_rn``), so a kernel's pool equals the reference's bit for bit on the
+same float32 state. Launchers size grids from shapes alone and
 never synchronize: every call can be captured in a CUDA graph.
 """
 
@@ -100,11 +101,11 @@ def _round_to_e4m3(y):
 
 @triton.jit
 def _fp8_tile(b_h, BOUND: tl.constexpr, SOFT_CAST: tl.constexpr):
-    """``(values, scale)``: a float32 tile as E4M3 and its dynamic scale (amax / BOUND, 1 if
-    0). The GPU's conversion rounds to nearest even; ``SOFT_CAST`` (the interpreter) rounds
-    first with :func:`_round_to_e4m3`."""
+    """``(values, scale)``: a float32 tile as E4M3 and its dynamic scale (``amax * (1 /
+    BOUND)``, 1 if 0). The GPU's conversion rounds to nearest even; ``SOFT_CAST`` (the
+    interpreter) rounds first with :func:`_round_to_e4m3`."""
     amax = tl.max(tl.max(tl.abs(b_h), axis=1), axis=0)
-    s = tl.where(amax > 0, tl.math.div_rn(amax, BOUND), 1.0)
+    s = tl.where(amax > 0, amax * (1.0 / BOUND), 1.0)
     scaled = tl.math.div_rn(b_h, s + tl.zeros_like(b_h))
     if SOFT_CAST:
         scaled = _round_to_e4m3(scaled)
@@ -113,15 +114,17 @@ def _fp8_tile(b_h, BOUND: tl.constexpr, SOFT_CAST: tl.constexpr):
 
 @triton.jit
 def _recurrent_delta_kernel(
-    q, k, v, g, beta, o, state_in, scales_in, state_out, scales_out, inter,
-    indices, slots_ok, cu_seqlens, T, num_rows, num_slots, scale,
+    q, k, v, g, beta, w, o, state_in, scales_in, state_out, scales_out, inter,
+    indices, slots_ok, cu_seqlens, T, num_rows, num_slots, scale, gate_floor,
     HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, NS: tl.constexpr,
     PER_KEY: tl.constexpr, STATE_V_FIRST: tl.constexpr, LOAD: tl.constexpr,
     STORE: tl.constexpr, SLOTS: tl.constexpr, VARLEN: tl.constexpr, INTER: tl.constexpr,
-    CHECK_BLOCK: tl.constexpr, SOFT_CAST: tl.constexpr,
+    CHECK: tl.constexpr, CHECK_BLOCK: tl.constexpr, SOFT_CAST: tl.constexpr,
+    WRITE_KEY: tl.constexpr, FLOOR: tl.constexpr,
 ):
     scale = tl.cast(scale, tl.float32)  # Inductor passes Python floats as fp64
+    gate_floor = tl.cast(gate_floor, tl.float32)
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // HV, i_nh % HV
     i_hk = i_h // (HV // HK)
@@ -143,7 +146,7 @@ def _recurrent_delta_kernel(
 
     row = i_n.to(tl.int64)
     if SLOTS:
-        if i_nh + i_v == 0:  # one program checks every index (see recurrent_delta_fwd)
+        if CHECK and (i_nh + i_v == 0):  # one program checks every index
             errors = tl.zeros([CHECK_BLOCK, CHECK_BLOCK], dtype=tl.int32)
             for r0 in range(0, num_rows, CHECK_BLOCK):
                 r_ids = r0 + tl.arange(0, CHECK_BLOCK)
@@ -172,14 +175,19 @@ def _recurrent_delta_kernel(
         b_q = tl.load(q + (t * HK + i_hk) * K + o_k, mask=m_k, other=0).to(tl.float32) * scale
         b_k = tl.load(k + (t * HK + i_hk) * K + o_k, mask=m_k, other=0).to(tl.float32)
         b_v = tl.load(v + (t * HV + i_h) * V + o_v, mask=m_v, other=0).to(tl.float32)
-        b_beta = tl.load(beta + t * HV + i_h).to(tl.float32)
         if PER_KEY:
             b_g = tl.load(g + (t * HV + i_h) * K + o_k, mask=m_k, other=0).to(tl.float32)
+            if FLOOR:
+                b_g = tl.maximum(b_g, gate_floor)
             b_h = b_h * tl.exp(b_g)[:, None]
         else:
             b_h = b_h * tl.exp(tl.load(g + t * HV + i_h).to(tl.float32))
-        b_v = (b_v - tl.sum(b_h * b_k[:, None], axis=0)) * b_beta
-        b_h += b_k[:, None] * b_v[None, :]
+        b_v = b_v - tl.sum(b_h * b_k[:, None], axis=0)
+        if WRITE_KEY:  # S += w (v - k^T S): the write key as given (Diag-KDN's gain)
+            b_w = tl.load(w + (t * HV + i_h) * K + o_k, mask=m_k, other=0).to(tl.float32)
+            b_h += b_w[:, None] * b_v[None, :]
+        else:  # S += beta k (v - k^T S)
+            b_h += b_k[:, None] * (b_v * tl.load(beta + t * HV + i_h).to(tl.float32))[None, :]
         b_o = tl.sum(b_h * b_q[:, None], axis=0)
         tl.store(o + (t * HV + i_h) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
         if INTER:  # [N, T, HV, K, V] in the pool's layout: the state after this token
@@ -221,6 +229,7 @@ def _state_kind(state) -> int:
 def recurrent_delta_fwd(
     q, k, v, g, beta, *, scale: float, state_in=None, state_out=None, scales=None,
     indices=None, cu_seqlens=None, intermediate=None, state_v_first: bool = False,
+    write_key=None, gate_floor: float | None = None, check_indices: bool = True,
     block_v: int | None = None, num_warps: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Launch the GDN / KDA token recurrence; returns ``(o, slots_ok)``: ``o`` like ``v``, and
@@ -242,6 +251,10 @@ def recurrent_delta_fwd(
         cu_seqlens: ``[N + 1]`` boundaries of packed sequences (``B == 1``).
         intermediate: ``[N, T, Hv, K, V]`` (pool layout) receiving the state after every
             token.
+        write_key: ``[B, T, Hv, K]`` float32 write key ``w`` in place of ``beta k``
+            (``S += w (v - k^T S)``; ``beta`` unused): Diag-KDN's Kalman gain.
+        gate_floor: per-key gates floored at this log decay (Diag-KDN's memory).
+        check_indices: one program compares every index (the flag returned).
         block_v, num_warps: launch configuration (default :func:`decode_config`).
     """
     b, length, hk, dk = q.shape
@@ -252,37 +265,35 @@ def recurrent_delta_fwd(
     tile, warps = block_v or tile, num_warps or warps
     o = torch.empty_like(v)
     slots = state_out.shape[0] if indices is not None else n
-    ok = None if indices is None else torch.empty((), dtype=torch.bool, device=q.device)
+    check = indices is not None and check_indices
+    ok = torch.empty((), dtype=torch.bool, device=q.device) if check else None
     _launch(_recurrent_delta_kernel, (triton.cdiv(dv, tile), n * hv), q)(
-        q, k, v, g, beta, o, state_in, scales, state_out, scales, intermediate,
+        q, k, v, g, beta, write_key, o, state_in, scales, state_out, scales, intermediate,
         indices, ok, cu_seqlens, length, n, slots, scale,
+        0.0 if gate_floor is None else gate_floor,
         HK=hk, HV=hv, K=dk, V=dv, BK=triton.next_power_of_2(dk), BV=tile,
         NS=triton.cdiv(dv, FP8_BLOCK_V), PER_KEY=g.dim() == 4,
         STATE_V_FIRST=state_v_first, LOAD=_state_kind(state_in), STORE=_state_kind(state_out),
         SLOTS=indices is not None, VARLEN=cu_seqlens is not None,
-        INTER=intermediate is not None, CHECK_BLOCK=_CHECK_BLOCK,
-        SOFT_CAST=os.environ.get("TRITON_INTERPRET") == "1", num_warps=warps,
+        INTER=intermediate is not None, CHECK=check, CHECK_BLOCK=_CHECK_BLOCK,
+        SOFT_CAST=os.environ.get("TRITON_INTERPRET") == "1", WRITE_KEY=write_key is not None,
+        FLOOR=gate_floor is not None, num_warps=warps,
     )
     return o, ok
 
 
 @triton.jit
-def _recurrent_kdn_kernel(
-    q, k, v, log_alpha, omega, r, o, memory, precision, indices, slots_ok,
-    T, num_rows, num_slots, scale, info_scale, log_alpha_floor,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    CHECK_BLOCK: tl.constexpr,
+def _decode_gain_kernel(
+    k, log_alpha, omega, r, gain, precision, indices, slots_ok,
+    T, num_rows, num_slots, info_scale,
+    H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, CHECK_BLOCK: tl.constexpr,
 ):
-    # One program per (row, head) walks the value tiles in turn: the precision it updates
-    # in place is read by every tile, so no other program may own a tile of this head.
-    scale, info_scale = tl.cast(scale, tl.float32), tl.cast(info_scale, tl.float32)  # fp64 from
-    log_alpha_floor = tl.cast(log_alpha_floor, tl.float32)  # Inductor
+    """Diag-KDN's Kalman gains of one decode step, one program per (row, head): ``gain
+    [B, T, H, K]`` and the precision written back to its slot (no other program reads it)."""
+    info_scale = tl.cast(info_scale, tl.float32)  # fp64 from Inductor
     i_nh = tl.program_id(0)
     i_n, i_h = i_nh // H, i_nh % H
-    bos = i_n.to(tl.int64) * T
-    o_k = tl.arange(0, BK)
-    m_k = o_k < K
-    if i_nh == 0:  # one program checks every index (see recurrent_delta_fwd)
+    if i_nh == 0:  # one program checks every index
         errors = tl.zeros([CHECK_BLOCK, CHECK_BLOCK], dtype=tl.int32)
         for r0 in range(0, num_rows, CHECK_BLOCK):
             r_ids = r0 + tl.arange(0, CHECK_BLOCK)
@@ -294,42 +305,23 @@ def _recurrent_kdn_kernel(
                 errors += _repeats(rows, r_ids, cols.to(tl.int64), c_ids, c_ids < num_rows)
         tl.store(slots_ok, tl.sum(tl.sum(errors, axis=1), axis=0) == 0)
     row = tl.load(indices + i_n).to(tl.int64)
-    if (row < 0) | (row >= num_slots):  # padding row
-        for t in range(bos, bos + T):
-            for v0 in range(0, V, BV):
-                o_v = v0 + tl.arange(0, BV)
-                tl.store(o + (t * H + i_h) * V + o_v, tl.zeros([BV], tl.float32)
-                         .to(o.dtype.element_ty), mask=o_v < V)
-        return
-    p_p = precision + (row * H + i_h) * K + o_k
-    b_p0 = tl.load(p_p, mask=m_k, other=1).to(tl.float32)
-    b_p = b_p0
-    for v0 in range(0, V, BV):
-        o_v = v0 + tl.arange(0, BV)
-        m_v = o_v < V
-        m_h = m_k[:, None] & m_v[None, :]
-        p_h = memory + (row * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :]
-        b_h = tl.load(p_h, mask=m_h, other=0).to(tl.float32)
-        b_p = b_p0
-        for t in range(bos, bos + T):
+    if (row >= 0) & (row < num_slots):  # padding rows: nothing (the update skips them too)
+        o_k = tl.arange(0, BK)
+        m_k = o_k < K
+        p_p = precision + (row * H + i_h) * K + o_k
+        b_p = tl.load(p_p, mask=m_k, other=1).to(tl.float32)
+        for t in range(i_n.to(tl.int64) * T, (i_n.to(tl.int64) + 1) * T):
             p_t = (t * H + i_h) * K + o_k
-            b_q = tl.load(q + p_t, mask=m_k, other=0).to(tl.float32)
             b_k = tl.load(k + p_t, mask=m_k, other=0).to(tl.float32)
             b_la = tl.load(log_alpha + p_t, mask=m_k, other=0).to(tl.float32)
             b_om = tl.load(omega + p_t, mask=m_k, other=0).to(tl.float32)
             b_r = tl.load(r + t * H + i_h).to(tl.float32)
-            b_v = tl.load(v + (t * H + i_h) * V + o_v, mask=m_v, other=0).to(tl.float32)
             k2 = b_k * b_k
             predicted = tl.exp(2.0 * b_la) / b_p + b_om
-            gain = predicted * b_k / (b_r + tl.sum(predicted * k2, axis=0))
+            tl.store(gain + p_t, predicted * b_k / (b_r + tl.sum(predicted * k2, axis=0)),
+                     mask=m_k)
             b_p = 1.0 / predicted + info_scale * k2 / b_r
-            b_h = b_h * tl.exp(tl.maximum(b_la, log_alpha_floor))[:, None]
-            innovation = b_v - tl.sum(b_h * b_k[:, None], axis=0)
-            b_h += gain[:, None] * innovation[None, :]
-            b_o = tl.sum(b_h * b_q[:, None], axis=0) * scale
-            tl.store(o + (t * H + i_h) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
-        tl.store(p_h, b_h.to(memory.dtype.element_ty), mask=m_h)
-    tl.store(p_p, b_p, mask=m_k)
+        tl.store(p_p, b_p, mask=m_k)
 
 
 def recurrent_kdn_fwd(
@@ -342,19 +334,21 @@ def recurrent_kdn_fwd(
 
     ``q, k, log_alpha, omega [B, T, H, K]``, ``v [B, T, H, V]``, ``r [B, T, H]``;
     ``memory [S, H, K, V]`` (float32/bfloat16) and ``precision [S, H, K]`` (float32)
-    are updated in place at slots ``indices [B]``.
+    are updated in place at slots ``indices [B]``. Two launches: the Kalman gains and the
+    precision (one program per row and head, :func:`_decode_gain_kernel`), then the memory
+    through the delta-rule kernel with the gain as its write key and ``log alpha`` floored.
     """
     b, length, h, dk = q.shape
-    dv = v.shape[3]
-    # One program per (row, head) walks the value tiles: whole 128-column rows on 8 warps
-    tile = block_v or min(128, triton.next_power_of_2(dv))
-    warps = num_warps or 8
-    o = torch.empty_like(v)
+    gain = torch.empty(k.shape, dtype=torch.float32, device=k.device)
     ok = torch.empty((), dtype=torch.bool, device=q.device)
-    _launch(_recurrent_kdn_kernel, (b * h,), q)(
-        q, k, v, log_alpha, omega, r, o, memory, precision, indices, ok,
-        length, b, memory.shape[0], scale, info_scale, log_alpha_floor,
-        H=h, K=dk, V=dv, BK=triton.next_power_of_2(dk), BV=tile, CHECK_BLOCK=_CHECK_BLOCK,
-        num_warps=warps,
+    _launch(_decode_gain_kernel, (b * h,), q)(
+        k, log_alpha, omega, r, gain, precision, indices, ok, length, b, memory.shape[0],
+        info_scale, H=h, K=dk, BK=triton.next_power_of_2(dk), CHECK_BLOCK=_CHECK_BLOCK,
+        num_warps=4,
+    )
+    o, _ = recurrent_delta_fwd(
+        q, k, v, log_alpha, None, scale=scale, state_in=memory, state_out=memory,
+        indices=indices, write_key=gain, gate_floor=log_alpha_floor, check_indices=False,
+        block_v=block_v, num_warps=num_warps,
     )
     return o, ok

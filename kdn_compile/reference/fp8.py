@@ -1,7 +1,7 @@
 """FP8 (E4M3) quantization of recurrent states: fake quantization and the float8 pools.
 
 One dynamic scale per ``[K, block_v]`` tile of a key-first state ``[..., K, V]``:
-``scale = amax / 448`` (1 for an all-zero tile), values ``state / scale`` rounded to
+``scale = amax * (1 / 448)`` (1 for an all-zero tile), values ``state / scale`` rounded to
 ``torch.float8_e4m3fn``. :func:`quantize_state_fp8` and :func:`dequantize_state_fp8`
 are the two halves (the float8 state pools of the serving path store their output);
 :func:`state_fp8_qdq_reference` is their composition with a straight-through gradient.
@@ -30,14 +30,16 @@ def quantize_state_fp8(
     Returns:
         ``(values, scales)``: ``values`` ``torch.float8_e4m3fn`` of ``state``'s shape,
         ``scales [..., ceil(V / block_v)]`` in ``promote_types(state.dtype, float32)``
-        (``amax / 448`` of the tile, 1 for an all-zero tile). The division and the
+        (``amax * (1 / 448)`` of the tile, 1 for an all-zero tile). The division and the
         rounding (to nearest, ties to even) happen in that dtype; ``|state / scale| <= 448``.
     """
     with torch.no_grad():
         tiles = _tiles(state, block_v).to(torch.promote_types(state.dtype, torch.float32))
         # Scales in float32 at least: amax / 448 underflows in float16.
         amax = tiles.abs().amax(dim=(-3, -1))
-        scales = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+        # times the float32 reciprocal, as PyTorch's CUDA division by a scalar computes it:
+        # the same scales on every device (and in the kernels)
+        scales = torch.where(amax > 0, amax * (1.0 / E4M3_MAX), torch.ones_like(amax))
         values = (tiles / scales[..., None, :, None]).to(torch.float8_e4m3fn)
         return values.flatten(-2)[..., : state.shape[-1]].contiguous(), scales
 
