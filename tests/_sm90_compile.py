@@ -31,7 +31,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 import kdn_compile  # noqa: E402
 from _helpers import launch_recorder, launcher_modules  # noqa: E402
-from kdn_compile.ops import decode, gdn, kda, kdn, recurrent  # noqa: E402
+from kdn_compile.ops import decode, gdn, kda, kdn, recurrent, slots  # noqa: E402
 
 
 def _type(value, float_type: str) -> str:
@@ -103,7 +103,8 @@ def _run_ops(B, T, H, K, dtypes):
 
 
 def _run_decode(B, H, K, dtype, gen):
-    """The token recurrence (fixed length and packed) and the decode steps over every pool."""
+    """The token recurrence (fixed length and packed), the decode steps over every pool and
+    the slot writes of the layers' caches."""
     r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
     q, k, v = (r(2, 3, H, K).to(dtype) for _ in "qkv")
     beta = torch.rand(2, 3, H, generator=gen).to(dtype)
@@ -122,6 +123,8 @@ def _run_decode(B, H, K, dtype, gen):
     kdn_compile.diag_kdn_decode(q, k, v, la, om, torch.rand(2, 3, H, generator=gen) + 0.1,
                                 torch.zeros(3, H, K, K), torch.ones(3, H, K), slots,
                                 scale=0.125, info_scale=1.0)
+    # the layers' caches: rows into pool slots, padding rows skipped
+    torch.ops.kdn.scatter_slots(torch.zeros(3, H, K), slots, r(2, H, K))
 
 
 def record_launches(B=1, T=70, H=2, K=64, dtypes=(torch.bfloat16, torch.float32), sms=None,
@@ -136,7 +139,7 @@ def record_launches(B=1, T=70, H=2, K=64, dtypes=(torch.bfloat16, torch.float32)
         module.wrap_triton = launch_recorder(launches)
         if sms is not None and hasattr(module, "sm_count"):
             module.sm_count = lambda device: sms
-    for module in (gdn, kda, kdn, recurrent, decode):
+    for module in (gdn, kda, kdn, recurrent, decode, slots):
         module.can_launch = lambda x: True
     # The kernels are real JIT functions by now; the gain's support check reads this
     # variable at call time to allow CPU tensors.
