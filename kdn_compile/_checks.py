@@ -218,9 +218,8 @@ def check_pool(name: str, pool, layout: str, row_shape: tuple, dtypes: tuple, de
 
 
 def check_slot_indices(indices, batch, slots, device) -> None:
-    """``state_indices [B]`` int32/int64 on ``device``; on the device (no host sync):
-    every index ``< slots`` and no non-negative index repeated (``torch._assert_async``:
-    a device-side assert on CUDA, a RuntimeError on the CPU)."""
+    """``state_indices [B]`` int32/int64 on ``device`` (shape, dtype, device; the values are
+    checked by the ops: :func:`check_slot_values`, or in the decode kernels)."""
     if not isinstance(indices, torch.Tensor):
         raise TypeError(f"state_indices must be a torch.Tensor, got {type(indices).__name__}")
     if indices.dtype not in (torch.int32, torch.int64):
@@ -229,12 +228,20 @@ def check_slot_indices(indices, batch, slots, device) -> None:
         raise ValueError(f"state_indices must be [B] = ({batch},), got {_shape(indices)}")
     if indices.device != device:
         raise ValueError(f"state_indices is on {indices.device} but q is on {device}")
-    if device.type == "meta":
+
+
+SLOT_ERROR = "state_indices must be < the pool's slots S and must not repeat a non-negative slot"
+
+
+def check_slot_values(indices: torch.Tensor, slots: int) -> None:
+    """On the device, no host sync: every index ``< slots`` and no non-negative index
+    repeated (``torch._assert_async``: a device-side assert on CUDA, a RuntimeError on the
+    CPU, both with :data:`SLOT_ERROR`)."""
+    if indices.device.type == "meta":
         return
-    torch._assert_async((indices < slots).all(), "state_indices must be < the pool's slots S")
     ordered = indices.sort().values
     repeated = (ordered[1:] == ordered[:-1]) & (ordered[1:] >= 0)
-    torch._assert_async(~repeated.any(), "state_indices must not repeat a non-negative slot")
+    torch._assert_async(~repeated.any() & (ordered[-1:] < slots).all(), SLOT_ERROR)
 
 
 def check_flag(name: str, value) -> None:

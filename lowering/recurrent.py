@@ -14,8 +14,10 @@ written once per call whatever ``T`` is: the cost of a decode step is that traff
   ``alpha``, memory with ``log alpha`` floored) then the two-key update, over a memory
   pool (float32 or bfloat16) and a float32 precision pool.
 
-A negative slot (or one past the pool) marks a padding row: its output is zeros and
-nothing else is read or written. Float8 stores round as
+A negative slot marks a padding row: its output is zeros and nothing else is read or
+written. One program of each decode launch also checks every index (none ``>= S``, no
+non-negative one repeated) into a flag that the op asserts on without a host sync; a slot
+``>= S`` is skipped like a padding row, so no launch touches memory past the pool. Float8 stores round as
 :func:`kdn_compile.reference.fp8.quantize_state_fp8`: ``scale = amax / 448`` of the
 tile (1 when all zero) and values ``state / scale`` to nearest-even E4M3, both
 divisions correctly rounded (``div_rn``), so a kernel's pool equals the reference's
@@ -69,17 +71,27 @@ def decode_config(value_dim: int, float8: bool) -> tuple[int, int]:
 
 
 @triton.jit
+def _repeats(rows, r_ids, cols, c_ids, c_mask):
+    """How many non-negative ``rows`` reappear later (higher id) among ``cols``."""
+    repeated = (rows[:, None] == cols[None, :]) & (rows[:, None] >= 0)
+    repeated = repeated & (r_ids[:, None] < c_ids[None, :]) & c_mask[None, :]
+    return tl.sum(tl.sum(repeated.to(tl.int32), axis=1), axis=0)
+
+
+@triton.jit
 def _round_to_e4m3(y):
     """``y`` (float32, ``|y| <= 448``) rounded to the nearest E4M3 value, ties to even, as
     float32: ``y`` in units of its E4M3 spacing ``2^(max(e, -6) - 3)``, rounded to an
     integer by the ``1.5 * 2^23`` addition. The cast to float8 that follows is then exact
     on every backend (Triton's interpreter rounds some float8 casts wrongly)."""
-    bits = y.to(tl.int32, bitcast=True)
-    exponent = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)
+    magnitude = tl.abs(y)
+    bits = magnitude.to(tl.int32, bitcast=True)
+    exponent = tl.maximum((bits >> 23) - 127, -6)
     spacing = ((exponent - 3 + 127) << 23).to(tl.float32, bitcast=True)
-    units = y / spacing  # exact: a power of two
+    units = magnitude / spacing  # exact: a power of two
     units = (units + 12582912.0) - 12582912.0
-    return units * spacing
+    rounded = units * spacing
+    return tl.where(y < 0, -rounded, rounded)  # -0.0 where a negative value rounds to zero
 
 
 @triton.jit
@@ -93,12 +105,14 @@ def _fp8_tile(b_h, BOUND: tl.constexpr):
 @triton.jit
 def _recurrent_delta_kernel(
     q, k, v, g, beta, o, state_in, scales_in, state_out, scales_out, inter,
-    indices, cu_seqlens, T, num_slots, scale,
+    indices, slots_ok, cu_seqlens, T, num_rows, num_slots, scale,
     HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, NS: tl.constexpr,
     PER_KEY: tl.constexpr, STATE_V_FIRST: tl.constexpr, LOAD: tl.constexpr,
     STORE: tl.constexpr, SLOTS: tl.constexpr, VARLEN: tl.constexpr, INTER: tl.constexpr,
+    CHECK_BLOCK: tl.constexpr,
 ):
+    scale = scale.to(tl.float32)  # Inductor passes Python floats as fp64
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // HV, i_nh % HV
     i_hk = i_h // (HV // HK)
@@ -120,6 +134,17 @@ def _recurrent_delta_kernel(
 
     row = i_n.to(tl.int64)
     if SLOTS:
+        if i_nh + i_v == 0:  # one program checks every index (see recurrent_delta_fwd)
+            errors = 0
+            for r0 in range(0, num_rows, CHECK_BLOCK):
+                r_ids = r0 + tl.arange(0, CHECK_BLOCK)
+                rows = tl.load(indices + r_ids, mask=r_ids < num_rows, other=-1).to(tl.int64)
+                errors += tl.sum((rows >= num_slots).to(tl.int32), axis=0)
+                for c0 in range(r0, num_rows, CHECK_BLOCK):
+                    c_ids = c0 + tl.arange(0, CHECK_BLOCK)
+                    cols = tl.load(indices + c_ids, mask=c_ids < num_rows, other=-1)
+                    errors += _repeats(rows, r_ids, cols.to(tl.int64), c_ids, c_ids < num_rows)
+            tl.store(slots_ok, errors == 0)
         row = tl.load(indices + i_n).to(tl.int64)
         if (row < 0) | (row >= num_slots):  # padding row: zero output, no state touched
             for t in range(bos, eos):
@@ -160,6 +185,24 @@ def _recurrent_delta_kernel(
         tl.store(scales_out + (row * HV + i_h) * NS + i_v, s)
 
 
+_CHECK_BLOCK = 64  # indices compared per block by the one program that checks them
+
+
+def _launch(kernel, grid, like: torch.Tensor):
+    """``kernel[grid]``: through ``wrap_triton`` while tracing (fake or functional tensors,
+    torch.compile, export) so that Inductor sees the kernel, directly otherwise. A direct
+    launch skips the wrapper's dispatch, most of an eager decode step's host time."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch._subclasses.functional_tensor import FunctionalTensor
+
+    tracing = (isinstance(like, (FakeTensor, FunctionalTensor)) or torch.compiler.is_compiling()
+               or torch._guards.detect_fake_mode() is not None)
+    return wrap_triton(kernel)[grid] if tracing or not launch_directly else kernel[grid]
+
+
+launch_directly = True  # False: every launch through wrap_triton (tests that record launches)
+
+
 def _state_kind(state) -> int:
     if state is None:
         return _NONE
@@ -170,8 +213,10 @@ def recurrent_delta_fwd(
     q, k, v, g, beta, *, scale: float, state_in=None, state_out=None, scales=None,
     indices=None, cu_seqlens=None, intermediate=None, state_v_first: bool = False,
     block_v: int | None = None, num_warps: int | None = None,
-) -> torch.Tensor:
-    """Launch the GDN / KDA token recurrence; returns ``o`` (``v``'s shape and dtype).
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Launch the GDN / KDA token recurrence; returns ``(o, slots_ok)``: ``o`` like ``v``, and
+    with ``indices`` a 0-dim bool tensor, False if an index is ``>= S`` or a non-negative
+    index repeats (one program compares them all; the caller asserts on it), else None.
 
     Args:
         q, k: ``[B, T, Hk, K]``; v ``[B, T, Hv, V]``; g ``[B, T, Hv]`` or
@@ -198,70 +243,92 @@ def recurrent_delta_fwd(
     tile, warps = block_v or tile, num_warps or warps
     o = torch.empty_like(v)
     slots = state_out.shape[0] if indices is not None else n
-    wrap_triton(_recurrent_delta_kernel)[(triton.cdiv(dv, tile), n * hv)](
+    ok = None if indices is None else torch.empty((), dtype=torch.bool, device=q.device)
+    _launch(_recurrent_delta_kernel, (triton.cdiv(dv, tile), n * hv), q)(
         q, k, v, g, beta, o, state_in, scales, state_out, scales, intermediate,
-        indices, cu_seqlens, length, slots, scale,
+        indices, ok, cu_seqlens, length, n, slots, scale,
         HK=hk, HV=hv, K=dk, V=dv, BK=triton.next_power_of_2(dk), BV=tile,
         NS=triton.cdiv(dv, FP8_BLOCK_V), PER_KEY=g.dim() == 4,
         STATE_V_FIRST=state_v_first, LOAD=_state_kind(state_in), STORE=_state_kind(state_out),
         SLOTS=indices is not None, VARLEN=cu_seqlens is not None,
-        INTER=intermediate is not None, num_warps=warps,
+        INTER=intermediate is not None, CHECK_BLOCK=_CHECK_BLOCK, num_warps=warps,
     )
-    return o
+    return o, ok
 
 
 @triton.jit
 def _recurrent_kdn_kernel(
-    q, k, v, log_alpha, omega, r, o, memory, precision, indices,
-    T, num_slots, scale, info_scale, log_alpha_floor,
+    q, k, v, log_alpha, omega, r, o, memory, precision, indices, slots_ok,
+    T, num_rows, num_slots, scale, info_scale, log_alpha_floor,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    CHECK_BLOCK: tl.constexpr,
 ):
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    # One program per (row, head) walks the value tiles in turn: the precision it updates
+    # in place is read by every tile, so no other program may own a tile of this head.
+    scale, info_scale = scale.to(tl.float32), info_scale.to(tl.float32)  # fp64 from Inductor
+    log_alpha_floor = log_alpha_floor.to(tl.float32)
+    i_nh = tl.program_id(0)
     i_n, i_h = i_nh // H, i_nh % H
     bos = i_n.to(tl.int64) * T
     o_k = tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
     m_k = o_k < K
-    m_v = o_v < V
-    m_h = m_k[:, None] & m_v[None, :]
+    if i_nh == 0:  # one program checks every index (see recurrent_delta_fwd)
+        errors = 0
+        for r0 in range(0, num_rows, CHECK_BLOCK):
+            r_ids = r0 + tl.arange(0, CHECK_BLOCK)
+            rows = tl.load(indices + r_ids, mask=r_ids < num_rows, other=-1).to(tl.int64)
+            errors += tl.sum((rows >= num_slots).to(tl.int32), axis=0)
+            for c0 in range(r0, num_rows, CHECK_BLOCK):
+                c_ids = c0 + tl.arange(0, CHECK_BLOCK)
+                cols = tl.load(indices + c_ids, mask=c_ids < num_rows, other=-1)
+                errors += _repeats(rows, r_ids, cols.to(tl.int64), c_ids, c_ids < num_rows)
+        tl.store(slots_ok, errors == 0)
     row = tl.load(indices + i_n).to(tl.int64)
     if (row < 0) | (row >= num_slots):  # padding row
         for t in range(bos, bos + T):
-            tl.store(o + (t * H + i_h) * V + o_v, tl.zeros([BV], tl.float32)
-                     .to(o.dtype.element_ty), mask=m_v)
+            for v0 in range(0, V, BV):
+                o_v = v0 + tl.arange(0, BV)
+                tl.store(o + (t * H + i_h) * V + o_v, tl.zeros([BV], tl.float32)
+                         .to(o.dtype.element_ty), mask=o_v < V)
         return
-    p_h = memory + (row * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :]
     p_p = precision + (row * H + i_h) * K + o_k
-    b_h = tl.load(p_h, mask=m_h, other=0).to(tl.float32)
-    b_p = tl.load(p_p, mask=m_k, other=1).to(tl.float32)
-    for t in range(bos, bos + T):
-        p_t = (t * H + i_h) * K + o_k
-        b_q = tl.load(q + p_t, mask=m_k, other=0).to(tl.float32)
-        b_k = tl.load(k + p_t, mask=m_k, other=0).to(tl.float32)
-        b_la = tl.load(log_alpha + p_t, mask=m_k, other=0).to(tl.float32)
-        b_om = tl.load(omega + p_t, mask=m_k, other=0).to(tl.float32)
-        b_r = tl.load(r + t * H + i_h).to(tl.float32)
-        b_v = tl.load(v + (t * H + i_h) * V + o_v, mask=m_v, other=0).to(tl.float32)
-        k2 = b_k * b_k
-        predicted = tl.exp(2.0 * b_la) / b_p + b_om
-        gain = predicted * b_k / (b_r + tl.sum(predicted * k2, axis=0))
-        b_p = 1.0 / predicted + info_scale * k2 / b_r
-        b_h = b_h * tl.exp(tl.maximum(b_la, log_alpha_floor))[:, None]
-        innovation = b_v - tl.sum(b_h * b_k[:, None], axis=0)
-        b_h += gain[:, None] * innovation[None, :]
-        b_o = tl.sum(b_h * b_q[:, None], axis=0) * scale
-        tl.store(o + (t * H + i_h) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
-    tl.store(p_h, b_h.to(memory.dtype.element_ty), mask=m_h)
-    if i_v == 0:
-        tl.store(p_p, b_p, mask=m_k)
+    b_p0 = tl.load(p_p, mask=m_k, other=1).to(tl.float32)
+    b_p = b_p0
+    for v0 in range(0, V, BV):
+        o_v = v0 + tl.arange(0, BV)
+        m_v = o_v < V
+        m_h = m_k[:, None] & m_v[None, :]
+        p_h = memory + (row * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :]
+        b_h = tl.load(p_h, mask=m_h, other=0).to(tl.float32)
+        b_p = b_p0
+        for t in range(bos, bos + T):
+            p_t = (t * H + i_h) * K + o_k
+            b_q = tl.load(q + p_t, mask=m_k, other=0).to(tl.float32)
+            b_k = tl.load(k + p_t, mask=m_k, other=0).to(tl.float32)
+            b_la = tl.load(log_alpha + p_t, mask=m_k, other=0).to(tl.float32)
+            b_om = tl.load(omega + p_t, mask=m_k, other=0).to(tl.float32)
+            b_r = tl.load(r + t * H + i_h).to(tl.float32)
+            b_v = tl.load(v + (t * H + i_h) * V + o_v, mask=m_v, other=0).to(tl.float32)
+            k2 = b_k * b_k
+            predicted = tl.exp(2.0 * b_la) / b_p + b_om
+            gain = predicted * b_k / (b_r + tl.sum(predicted * k2, axis=0))
+            b_p = 1.0 / predicted + info_scale * k2 / b_r
+            b_h = b_h * tl.exp(tl.maximum(b_la, log_alpha_floor))[:, None]
+            innovation = b_v - tl.sum(b_h * b_k[:, None], axis=0)
+            b_h += gain[:, None] * innovation[None, :]
+            b_o = tl.sum(b_h * b_q[:, None], axis=0) * scale
+            tl.store(o + (t * H + i_h) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
+        tl.store(p_h, b_h.to(memory.dtype.element_ty), mask=m_h)
+    tl.store(p_p, b_p, mask=m_k)
 
 
 def recurrent_kdn_fwd(
     q, k, v, log_alpha, omega, r, memory, precision, indices, *, scale: float,
     info_scale: float, log_alpha_floor: float, block_v: int | None = None,
     num_warps: int | None = None,
-) -> torch.Tensor:
-    """Launch the Diag-KDN decode step over pools; returns ``o`` (``v``'s shape and dtype).
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the Diag-KDN decode step over pools; returns ``(o, slots_ok)`` as
+    :func:`recurrent_delta_fwd`.
 
     ``q, k, log_alpha, omega [B, T, H, K]``, ``v [B, T, H, V]``, ``r [B, T, H]``;
     ``memory [S, H, K, V]`` (float32/bfloat16) and ``precision [S, H, K]`` (float32)
@@ -272,9 +339,11 @@ def recurrent_kdn_fwd(
     tile, warps = decode_config(dv, False)
     tile, warps = block_v or tile, num_warps or warps
     o = torch.empty_like(v)
-    wrap_triton(_recurrent_kdn_kernel)[(triton.cdiv(dv, tile), b * h)](
-        q, k, v, log_alpha, omega, r, o, memory, precision, indices,
-        length, memory.shape[0], scale, info_scale, log_alpha_floor,
-        H=h, K=dk, V=dv, BK=triton.next_power_of_2(dk), BV=tile, num_warps=warps,
+    ok = torch.empty((), dtype=torch.bool, device=q.device)
+    _launch(_recurrent_kdn_kernel, (b * h,), q)(
+        q, k, v, log_alpha, omega, r, o, memory, precision, indices, ok,
+        length, b, memory.shape[0], scale, info_scale, log_alpha_floor,
+        H=h, K=dk, V=dv, BK=triton.next_power_of_2(dk), BV=tile, CHECK_BLOCK=_CHECK_BLOCK,
+        num_warps=warps,
     )
-    return o
+    return o, ok

@@ -29,6 +29,8 @@ def grids(monkeypatch):
     launches = []
     for module in launcher_modules():
         monkeypatch.setattr(module, "wrap_triton", launch_recorder(launches))
+        if hasattr(module, "launch_directly"):
+            monkeypatch.setattr(module, "launch_directly", False)
     return launches
 
 

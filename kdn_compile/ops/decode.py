@@ -20,6 +20,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from kdn_compile._checks import SLOT_ERROR
 from kdn_compile.ops._dispatch import TRITON, can_launch
 from kdn_compile.reference.kdn import LOG_MEMORY_ALPHA_FLOOR
 from kdn_compile.reference.pools import delta_rule_decode_reference, diag_kdn_decode_reference
@@ -72,11 +73,13 @@ def delta_rule_decode_op(
             q, k, v, g, beta, state_pool, state_indices, scale, state_v_first, pool_scales,
             intermediate_states,
         )
-    return recurrent_delta_fwd(
+    o, slots_ok = recurrent_delta_fwd(
         q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(),
         scale=scale, state_in=state_pool, state_out=state_pool, scales=pool_scales,
         indices=state_indices, intermediate=intermediate_states, state_v_first=state_v_first,
     )
+    torch._assert_async(slots_ok, SLOT_ERROR)
+    return o
 
 
 _KDN_MUTATES = ("memory_pool", "precision_pool")
@@ -121,8 +124,10 @@ def diag_kdn_decode_op(
             q, k, v, log_alpha, omega, r, memory_pool, precision_pool, state_indices, scale,
             info_scale,
         )
-    return recurrent_kdn_fwd(
+    o, slots_ok = recurrent_kdn_fwd(
         *(x.contiguous() for x in (q, k, v, log_alpha, omega, r)), memory_pool,
         precision_pool, state_indices, scale=scale, info_scale=info_scale,
         log_alpha_floor=LOG_MEMORY_ALPHA_FLOOR,
     )
+    torch._assert_async(slots_ok, SLOT_ERROR)
+    return o

@@ -73,7 +73,7 @@ def recurrent_delta_rule_op(
             q, k, v, g, beta, initial_state, cu_seqlens, scale, state_v_first
         )
     final_state = empty_state(q, cu_seqlens, v.shape[2], k.shape[3], v.shape[3], state_v_first)
-    o = recurrent_delta_fwd(
+    o, _ = recurrent_delta_fwd(
         q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(),
         scale=scale, state_in=None if initial_state is None else initial_state.contiguous(),
         state_out=final_state, cu_seqlens=cu_seqlens, state_v_first=state_v_first,

@@ -39,7 +39,7 @@ def quantize_state_fp8(
         amax = tiles.abs().amax(dim=(-3, -1))
         scales = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
         values = (tiles / scales[..., None, :, None]).to(torch.float8_e4m3fn)
-        return values.flatten(-2)[..., : state.shape[-1]], scales
+        return values.flatten(-2)[..., : state.shape[-1]].contiguous(), scales
 
 
 def dequantize_state_fp8(
@@ -48,7 +48,8 @@ def dequantize_state_fp8(
 ) -> torch.Tensor:
     """``values [..., K, V]`` (float8) times the scale of their ``[K, block_v]`` tile, in ``dtype``."""
     tiles = _tiles(values.to(dtype), block_v)
-    return (tiles * scales.to(dtype)[..., None, :, None]).flatten(-2)[..., : values.shape[-1]]
+    tiles = tiles * scales.to(dtype)[..., None, :, None]
+    return tiles.flatten(-2)[..., : values.shape[-1]].contiguous()
 
 
 def state_fp8_qdq_reference(state: torch.Tensor, block_v: int = 64) -> torch.Tensor:

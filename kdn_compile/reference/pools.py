@@ -7,14 +7,16 @@ negative index marks a padding row: its output is zeros and no slot is read or
 written. These references gather the named slots, run the token recurrences of
 :mod:`kdn_compile.reference.delta_rule` and :mod:`kdn_compile.reference.kdn`, and
 scatter the new states back with tensor ops only (no host reads, no data-dependent
-shapes), so Inductor compiles them on the CPU. They do not validate their
-arguments: :func:`kdn_compile.delta_rule_decode` and :func:`kdn_compile.diag_kdn_decode` do.
+shapes), so Inductor compiles them on the CPU. They check the indices' values on the
+device (``check_slot_values``) and nothing else: :func:`kdn_compile.delta_rule_decode`
+and :func:`kdn_compile.diag_kdn_decode` validate the rest.
 """
 
 from __future__ import annotations
 
 import torch
 
+from kdn_compile._checks import check_slot_values
 from kdn_compile.reference._common import heads_first, state_key_first, work_dtype
 from kdn_compile.reference.delta_rule import token_loop
 from kdn_compile.reference.fp8 import dequantize_state_fp8, quantize_state_fp8
@@ -80,6 +82,7 @@ def delta_rule_decode_reference(
     dynamic scale per ``[K, 64]`` tile, as :func:`quantize_state_fp8`).
     Returns ``o [B, T, Hv, V]`` in ``v``'s dtype, zeros on padding rows.
     """
+    check_slot_values(state_indices, state_pool.shape[0])
     dtype = work_dtype(q.dtype)
     hv = v.shape[2]
     state = _pool_to_state(state_pool, pool_scales, state_indices, state_v_first, dtype)
@@ -97,7 +100,7 @@ def delta_rule_decode_reference(
             torch.where(valid[:, None, None, None, None], every, intermediate_states)
         )
     _state_to_pool(state, state_pool, pool_scales, state_indices, state_v_first)
-    return o.to(v.dtype)
+    return o.to(v.dtype).contiguous()
 
 
 def diag_kdn_decode_reference(
@@ -112,6 +115,7 @@ def diag_kdn_decode_reference(
     memory rounded to the pool's dtype once, after the ``T`` tokens) and returns
     ``o [B, T, H, V]`` in ``v``'s dtype, zeros on padding rows.
     """
+    check_slot_values(state_indices, memory_pool.shape[0])
     dtype = work_dtype(q.dtype)
     memory = gather_slots(memory_pool, state_indices).to(dtype)
     precision = gather_slots(precision_pool, state_indices).to(dtype)
@@ -126,4 +130,4 @@ def diag_kdn_decode_reference(
     o = torch.where(valid[:, None, None, None], torch.stack(outputs, dim=1), 0.0)
     scatter_slots(memory_pool, state_indices, memory)
     scatter_slots(precision_pool, state_indices, precision)
-    return o.to(v.dtype)
+    return o.to(v.dtype).contiguous()

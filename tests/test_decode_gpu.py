@@ -1,0 +1,150 @@
+"""Decode kernels on CUDA against float64: every pool dtype, T = 1..8, intermediate states,
+the token recurrence at length, and CUDA-graph replay. Skipped without CUDA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kdn_compile
+from _helpers import assert_close
+from kdn_compile import reference as ref
+from kdn_compile.reference.fp8 import dequantize_state_fp8, quantize_state_fp8
+from kdn_compile.reference.pools import diag_kdn_decode_reference
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+FP8 = torch.float8_e4m3fn
+POISON = float("nan")
+
+
+def _inputs(B, T, Hk, Hv, K, V, per_key, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
+    x = {
+        "q": F.normalize(r(B, T, Hk, K), dim=-1), "k": F.normalize(r(B, T, Hk, K), dim=-1),
+        "v": r(B, T, Hv, V),
+        "g": -torch.rand(*((B, T, Hv, K) if per_key else (B, T, Hv)), generator=gen,
+                         dtype=torch.float64) * 2,
+        "beta": torch.rand(B, T, Hv, generator=gen, dtype=torch.float64),
+    }
+    return {n: t.to(dtype).cuda() for n, t in x.items()}
+
+
+def _start_pool(S, Hv, K, V, pool_dtype, seed, state_v_first):
+    gen = torch.Generator().manual_seed(seed)
+    state = torch.randn(S, Hv, K, V, generator=gen, dtype=torch.float64).float().cuda()
+    scales = None
+    if pool_dtype == FP8:
+        pool, scales = quantize_state_fp8(state)
+        state = dequantize_state_fp8(pool, scales)
+    else:
+        pool = state.to(pool_dtype)
+        state = pool.float().clone()  # not the pool itself: it is updated in place
+    if state_v_first:
+        pool = pool.transpose(-1, -2).contiguous()
+    return pool, scales, state
+
+
+@pytest.mark.parametrize("T", [1, 2, 3, 4, 5, 6, 7, 8])
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16, FP8],
+                         ids=["f32", "bf16", "fp8"])
+@pytest.mark.parametrize("per_key", [False, True], ids=["gdn", "kda"])
+def test_decode_against_float64(T, pool_dtype, per_key):
+    B, Hk, Hv, K, V, S = 6, 2, 4, 128, 128, 11
+    state_v_first = T % 2 == 0
+    x = _inputs(B, T, Hk, Hv, K, V, per_key, torch.bfloat16, seed=T)
+    pool, scales, start = _start_pool(S, Hv, K, V, pool_dtype, T, state_v_first)
+    idx = torch.tensor([7, -1, 0, 3, -1, 10], device="cuda", dtype=torch.int32)
+    shape = (B, T, Hv, V, K) if state_v_first else (B, T, Hv, K, V)
+    inter = torch.full(shape, POISON, device="cuda")
+    before = pool.clone()
+    o = kdn_compile.delta_rule_decode(*x.values(), pool, idx, pool_scales=scales,
+                                      state_v_first=state_v_first, intermediate_states=inter)
+    torch.cuda.synchronize()
+    after = pool.transpose(-1, -2) if state_v_first else pool
+    after = dequantize_state_fp8(after, scales) if pool_dtype == FP8 else after.float()
+    every = inter.transpose(-1, -2) if state_v_first else inter
+    tol = {torch.float32: 2e-5, torch.bfloat16: 1e-2, FP8: 7e-2}[pool_dtype]
+    for row, slot in enumerate(idx.tolist()):
+        if slot < 0:
+            assert torch.equal(o[row], torch.zeros_like(o[row]))
+            assert torch.isnan(inter[row]).all(), "a padding row writes no intermediate state"
+            continue
+        sub = {n: t[row:row + 1].double() for n, t in x.items()}
+        o64, s64 = ref.recurrent_delta_rule_reference(
+            **sub, initial_state=start[slot:slot + 1].double())
+        assert_close(o[row:row + 1], o64, 1e-2, f"o row {row}")
+        assert_close(after[slot:slot + 1], s64, tol, f"slot {slot}")
+        assert_close(every[row, -1:], s64, 2e-5, f"last intermediate state row {row}")
+    for slot in set(range(S)) - set(idx.tolist()):
+        assert torch.equal(pool[slot].view(torch.uint8), before[slot].view(torch.uint8))
+
+
+@pytest.mark.parametrize("per_key", [False, True], ids=["gdn", "kda"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_recurrent_kernel_at_length_against_float64(per_key, dtype):
+    x = _inputs(1, 300, 2, 4, 128, 64, per_key, dtype, seed=11)
+    h0 = torch.randn(3, 4, 128, 64, device="cuda")
+    cu = torch.tensor([0, 100, 101, 300], device="cuda")
+    o, s = kdn_compile.recurrent_delta_rule(*x.values(), initial_state=h0, cu_seqlens=cu)
+    o64, s64 = ref.recurrent_delta_rule_reference(
+        *(t.double() for t in x.values()), initial_state=h0.double(), cu_seqlens=cu)
+    assert_close(o, o64, 1e-2 if dtype == torch.bfloat16 else 2e-5, "o")
+    assert_close(s, s64, 1e-2 if dtype == torch.bfloat16 else 2e-5, "final state")
+
+
+def test_float8_store_bit_exact_on_the_gpu():
+    from kdn_compile.lowering.recurrent import recurrent_delta_fwd
+
+    x = _inputs(8, 1, 2, 4, 128, 128, False, torch.bfloat16, seed=5)
+    state = torch.randn(8, 4, 128, 128, device="cuda") * torch.logspace(-12, 3, 128, device="cuda")
+    out = torch.empty(8, 4, 128, 128, device="cuda", dtype=FP8)
+    scales = torch.empty(8, 4, 2, device="cuda")
+    _, ok = recurrent_delta_fwd(x["q"], x["k"], x["v"], torch.zeros_like(x["g"]),
+                        torch.zeros_like(x["beta"]), scale=0.1, state_in=state, state_out=out,
+                        scales=scales, indices=torch.arange(8, device="cuda"))
+    values, expected = quantize_state_fp8(state)
+    assert bool(ok)
+    assert torch.equal(scales, expected)
+    assert torch.equal(out.view(torch.uint8), values.view(torch.uint8))
+
+
+@pytest.mark.parametrize("T", [1, 4])
+def test_diag_kdn_decode_against_float64(T):
+    from _helpers import kdn_inputs
+
+    x = kdn_inputs(B=5, T=T, H=4, K=128, V=128, dtype=torch.float64, seed=T)
+    seq = [x[n].to(torch.bfloat16).cuda() for n in ("q", "k", "v")]
+    seq += [x[n].float().cuda() for n in ("log_alpha", "omega", "r")]
+    memory = torch.randn(7, 4, 128, 128, device="cuda")
+    precision = torch.rand(7, 4, 128, device="cuda") + 0.5
+    idx = torch.tensor([6, -1, 2, 0, 4], device="cuda")
+    m64, p64 = memory.double(), precision.double()
+    o64 = diag_kdn_decode_reference(*(t.double() for t in seq), m64, p64, idx,
+                                    scale=0.088, info_scale=0.9)
+    o = kdn_compile.diag_kdn_decode(*seq, memory, precision, idx, scale=0.088, info_scale=0.9)
+    assert_close(o, o64, 1e-2, "o")
+    assert_close(memory, m64, 2e-5, "memory")
+    assert_close(precision, p64, 2e-5, "precision")
+
+
+def test_decode_replays_in_a_cuda_graph():
+    """torch.compile(mode="reduce-overhead") replays decode steps equal to eager."""
+    x = _inputs(4, 1, 2, 4, 128, 128, True, torch.bfloat16, seed=3)
+    pool_e = torch.randn(6, 4, 128, 128, device="cuda")
+    pool_c = pool_e.clone()
+    torch._dynamo.mark_static_address(pool_c)
+    idx = torch.tensor([5, 1, -1, 2], device="cuda")
+
+    def step(q, k, v, g, beta, pool, idx):
+        return kdn_compile.delta_rule_decode(q, k, v, g, beta, pool, idx)
+
+    compiled = torch.compile(step, fullgraph=True, mode="reduce-overhead")
+    for i in range(20):
+        y = _inputs(4, 1, 2, 4, 128, 128, True, torch.bfloat16, seed=100 + i)
+        o_e = step(*y.values(), pool_e, idx)
+        o_c = compiled(*y.values(), pool_c, idx).clone()
+        assert_close(o_c, o_e, 1e-6, f"step {i}")
+    assert_close(pool_c, pool_e, 1e-6, "pool")
