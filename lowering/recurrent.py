@@ -112,7 +112,7 @@ def _recurrent_delta_kernel(
     STORE: tl.constexpr, SLOTS: tl.constexpr, VARLEN: tl.constexpr, INTER: tl.constexpr,
     CHECK_BLOCK: tl.constexpr,
 ):
-    scale = scale.to(tl.float32)  # Inductor passes Python floats as fp64
+    scale = tl.cast(scale, tl.float32)  # Inductor passes Python floats as fp64
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // HV, i_nh % HV
     i_hk = i_h // (HV // HK)
@@ -265,8 +265,9 @@ def _recurrent_kdn_kernel(
 ):
     # One program per (row, head) walks the value tiles in turn: the precision it updates
     # in place is read by every tile, so no other program may own a tile of this head.
-    scale, info_scale = scale.to(tl.float32), info_scale.to(tl.float32)  # fp64 from Inductor
-    log_alpha_floor = log_alpha_floor.to(tl.float32)
+    # Inductor passes Python floats as fp64; the interpreter passes them as Python floats
+    scale, info_scale = tl.cast(scale, tl.float32), tl.cast(info_scale, tl.float32)
+    log_alpha_floor = tl.cast(log_alpha_floor, tl.float32)
     i_nh = tl.program_id(0)
     i_n, i_h = i_nh // H, i_nh % H
     bos = i_n.to(tl.int64) * T
