@@ -18,7 +18,8 @@ import torch
 
 import kdn_compile.ops  # noqa: F401  (registers torch.ops.kdn)
 from kdn_compile._backend import prefer_kernels
-from kdn_compile._checks import check_cu_seqlens, check_pool, check_slot_indices, num_sequences
+from kdn_compile._checks import check_cu_seqlens, check_pool, check_slot_indices, check_slot_values
+from kdn_compile._checks import num_sequences
 from kdn_compile.reference.fp8 import dequantize_state_fp8, quantize_state_fp8
 from kdn_compile.reference.pools import POOL_BLOCK_V, gather_slots
 from kdn_compile.serving import MAX_DECODE_TOKENS
@@ -178,6 +179,7 @@ class SlotCache:
             raise TypeError(f"slots must be a 1-d int tensor or a list of ints, got "
                             f"{indices.dtype} of shape {tuple(indices.shape)}")
         check_slot_indices(indices, indices.shape[0], count, device)
+        check_slot_values(indices, count)
         fresh = self._fresh_rows(cache[self._state_key].dtype, device)
         with torch.no_grad():
             for name, row in fresh.items():
@@ -223,6 +225,8 @@ class SlotCache:
         rows = num_sequences(x.shape[0], cu_seqlens)
         check_slot_indices(state_indices, rows, slots, x.device)
         decode = cu_seqlens is None and x.shape[1] <= MAX_DECODE_TOKENS
+        if not decode:  # the decode ops check the values themselves
+            check_slot_values(state_indices, slots)
         y = self.advance(x, cache, state_indices, cu_seqlens, decode)
         return torch.where(padding_mask(state_indices, x, cu_seqlens), y, 0.0)
 
