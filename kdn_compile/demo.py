@@ -4,7 +4,8 @@
 the Python standard library's own source files (no download), then reports
 what capture did: loss before/after, graph breaks, recompiles, compile time,
 eager vs compiled step time, prefill-then-decode against one full pass, a
-``torch.export`` round of one layer, and 200 generated characters.
+``torch.export`` round of one layer, 200 generated characters, and the speed of
+greedy generation with the layers' ``step`` over slot caches, eager and compiled.
 """
 
 from __future__ import annotations
@@ -69,6 +70,11 @@ class Block(nn.Module):
         x = x + mixed
         return x + self.mlp(self.mlp_norm(x)), state
 
+    def step(self, x, cache, slots):
+        """``forward`` over the slots ``slots`` of the mixer's ``cache``, updated in place."""
+        x = x + self.mixer.step(self.mixer_norm(x), cache, slots)
+        return x + self.mlp(self.mlp_norm(x))
+
 
 class CharLM(nn.Module):
     """Embedding, ``depth`` blocks of (RMSNorm, mixer, residual, RMSNorm, MLP, residual), head.
@@ -85,6 +91,18 @@ class CharLM(nn.Module):
             Block(dim, mixer(dim, heads, dim // heads)) for _ in range(depth)
         )
         self.norm, self.head = nn.RMSNorm(dim), nn.Linear(dim, vocab, bias=False)
+
+    def allocate_caches(self, num_slots: int, device=None) -> list[dict]:
+        """One slot cache per block (:meth:`GatedDeltaNet.allocate_cache` and the others)."""
+        return [block.mixer.allocate_cache(num_slots, device=device) for block in self.blocks]
+
+    def step(self, ids, caches, slots):
+        """``ids [B, T]`` continuing the sequences in slots ``slots [B]`` of ``caches``:
+        ``logits [B, T, vocab]``; the caches advance in place (a prompt, or decode steps)."""
+        x = self.embed(ids)
+        for block, cache in zip(self.blocks, caches):
+            x = block.step(x, cache, slots)
+        return self.head(self.norm(x))
 
     def forward(self, ids, states=None):
         x = self.embed(ids)
@@ -173,6 +191,47 @@ def generate(model, prompt: str, count: int, generator, device, temperature=0.8)
         out.append(nxt)
         logits, states = model(torch.tensor([[nxt]], device=device), states)
     return decode(out)
+
+
+@torch.no_grad()
+def generation_speed(model, tokens: int, device, compile_backend: str | None) -> dict:
+    """Greedy generation after ``PROMPT`` with the layers' ``step`` over slot caches.
+
+    The prompt goes in as one step (the chunked ops), then ``tokens`` single-token
+    steps (the decode ops), each token picked on the device (no host sync). The decode
+    steps run eagerly, and, with ``compile_backend``, through ``torch.compile(fullgraph=
+    True)`` (``mode="reduce-overhead"``, CUDA graphs, on CUDA). Returns tokens/s of each
+    and whether both picked the same tokens.
+    """
+    prompt = encode(PROMPT)[None].to(device)
+    slots = torch.zeros(1, dtype=torch.long, device=device)
+    caches = model.allocate_caches(1, device=device)
+
+    def decode_tokens(step, count):
+        for block, cache in zip(model.blocks, caches):
+            block.mixer.reset_cache(cache, slots)
+        nxt = model.step(prompt, caches, slots)[:, -1:].argmax(-1)
+        out = [nxt]
+        _sync(device)
+        start = time.perf_counter()
+        for _ in range(count):
+            nxt = step(nxt, caches, slots)[:, -1:].argmax(-1)
+            out.append(nxt)
+        _sync(device)
+        return torch.cat(out, dim=1), count / (time.perf_counter() - start)
+
+    decode_tokens(model.step, 2)  # warm-up
+    ids, report = decode_tokens(model.step, tokens)
+    report = {"gen_tokens": tokens, "gen_eager_tok_s": report}
+    if compile_backend is not None:
+        mode = "reduce-overhead" if device.type == "cuda" else None
+        step = torch.compile(model.step, fullgraph=True, dynamic=False, mode=mode,
+                             backend=compile_backend)
+        decode_tokens(step, 3)  # compile, then (CUDA) warm up and record the graph
+        compiled_ids, report["gen_compiled_tok_s"] = decode_tokens(step, tokens)
+        report["gen_same_tokens"] = torch.equal(ids, compiled_ids)
+        report["gen_mode"] = mode or "default"
+    return report
 
 
 def _dynamo_counts() -> tuple[int, int]:
@@ -282,6 +341,9 @@ def _run(args: argparse.Namespace, device: torch.device) -> dict:
         model.blocks[0].mixer, args.dim, device
     )
     report["sample"] = generate(model, PROMPT, 200, generator, device)
+    tokens = args.generate or (256 if device.type == "cuda" else 8)
+    report.update(generation_speed(model, tokens, device,
+                                   args.compile_backend if compiled else None))
     report["total_s"] = time.perf_counter() - started
     _print_report(report)
     return report
@@ -308,6 +370,14 @@ def _print_report(r: dict) -> None:
     ops = ", ".join(op.replace(".default", "") for op in r["export_ops"])
     print(f"torch.export of blocks[0].mixer (dynamic T, ops: {ops}), run at T=91: "
           f"max |diff| {e:.1e} ({ok(e < DECODE_TOLERANCE)})")
+    if "gen_eager_tok_s" in r:
+        line = (f"generation with step over slot caches ({r['gen_tokens']} greedy tokens): "
+                f"eager {r['gen_eager_tok_s']:,.0f} tok/s")
+        if "gen_compiled_tok_s" in r:
+            same = "same tokens" if r["gen_same_tokens"] else "different tokens"
+            line += (f", compiled ({r['gen_mode']}) {r['gen_compiled_tok_s']:,.0f} tok/s "
+                     f"({r['gen_compiled_tok_s'] / r['gen_eager_tok_s']:.2f}x, {same})")
+        print(line)
     print(f"total: {r['total_s']:.0f} s")
     print(f"200 characters sampled after {PROMPT!r}:\n{PROMPT}{r['sample']}")
 
@@ -330,3 +400,5 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--length", type=int, default=128,
         help=f"characters per sequence, > {DECODED} (default 128)")
     add("--lr", type=float, default=3e-3, help="AdamW learning rate (default 3e-3)")
+    add("--generate", type=int, default=None,
+        help="greedy tokens timed with the layers' step (default 256 on CUDA, 8 on the CPU)")

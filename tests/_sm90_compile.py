@@ -29,7 +29,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 import kdn_compile  # noqa: E402
 from _helpers import launch_recorder, launcher_modules  # noqa: E402
-from kdn_compile.ops import decode, gdn, kda, kdn, recurrent  # noqa: E402
+from kdn_compile.ops import decode, gdn, kda, kdn, recurrent, slots  # noqa: E402
 
 
 def _type(value, float_type: str) -> str:
@@ -101,8 +101,8 @@ def _run_ops(B, T, H, K, dtypes):
 
 
 def _run_decode(B, H, K, dtype, gen):
-    """The token recurrence (fixed length and packed) and the decode steps over every pool.
-    Recorded launches run nothing, so the index flag they would write is not asserted on."""
+    """The token recurrence (fixed length and packed), the decode steps over every pool and
+    the slot writes of the layers' caches. Recorded launches run nothing, so the index flag they would write is not asserted on."""
     with unittest.mock.patch("torch._assert_async"):
         _decode_calls(H, K, dtype, gen)
 
@@ -126,6 +126,8 @@ def _decode_calls(H, K, dtype, gen):
     kdn_compile.diag_kdn_decode(q, k, v, la, om, torch.rand(2, 3, H, generator=gen) + 0.1,
                                 torch.zeros(3, H, K, K), torch.ones(3, H, K), slots,
                                 scale=0.125, info_scale=1.0)
+    # the layers' caches: rows into pool slots, padding rows skipped
+    torch.ops.kdn.scatter_slots(torch.zeros(3, H, K), slots, r(2, H, K))
 
 
 def record_launches(B=1, T=70, H=2, K=64, dtypes=(torch.bfloat16, torch.float32), sms=None,
@@ -142,7 +144,7 @@ def record_launches(B=1, T=70, H=2, K=64, dtypes=(torch.bfloat16, torch.float32)
             module.launch_directly = False
         if sms is not None and hasattr(module, "sm_count"):
             module.sm_count = lambda device: sms
-    for module in (gdn, kda, kdn, recurrent, decode):
+    for module in (gdn, kda, kdn, recurrent, decode, slots):
         module.can_launch = lambda x: True
     # The kernels are real JIT functions by now; the gain's support check reads this
     # variable at call time to allow CPU tensors.

@@ -37,6 +37,8 @@ def test_demo_end_to_end():
     assert losses and float(losses[2]) < float(losses[1]), out
     assert re.search(r"prefill 24 \+ decode 8 tokens vs one pass: .*\(ok\)", out), out
     assert re.search(r"torch\.export .*kdn\.chunk_gdn.*\(ok\)", out), out
+    assert re.search(r"generation with step over slot caches \(8 greedy tokens\): eager [\d,]+ "
+                     r"tok/s, compiled \(default\) [\d,]+ tok/s", out), out
     sample = out.split("200 characters sampled after 'def __init__(self':\n")[1]
     assert sample.startswith(demo.PROMPT) and len(sample) >= len(demo.PROMPT) + 200, out
 

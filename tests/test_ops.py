@@ -78,7 +78,8 @@ def _opcheck_cases():
 
 
 def _decode_cases():
-    """The pool ops (no autograd: decoding runs without it), each pool dtype."""
+    """The pool ops (no autograd: decoding runs without it), each pool dtype, and the
+    slot-writing op of the layers' caches."""
     x = delta_inputs(B=3, T=2, Hk=1, Hv=2, K=4, V=3, dtype=torch.float32, with_state=False)
     idx = torch.tensor([2, -1, 0])
     cases = []
@@ -94,6 +95,10 @@ def _decode_cases():
             torch.randn(4, 2, 4, 3), torch.rand(4, 2, 4) + 0.5, idx, 0.5, 0.8)
     for op in (ops.diag_kdn_decode.default, ops.diag_kdn_decode_reference.default):
         cases.append((op._schema.name, op, args))
+    for pool_dtype in (torch.float32, torch.float8_e4m3fn):  # rows into slots, padding skipped
+        args = (torch.randn(4, 2, 3).to(pool_dtype), idx, torch.randn(3, 2, 3).to(pool_dtype))
+        for op in (ops.scatter_slots.default, ops.scatter_slots_reference.default):
+            cases.append((f"{op._schema.name}-{pool_dtype}", op, args))
     return cases
 
 

@@ -5,9 +5,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 import kdn_compile
 from kdn_compile._checks import check_state, num_sequences
+from kdn_compile.layers._serving import SlotCache, load_state, store_state, work_dtype
+from kdn_compile.reference.pools import POOL_BLOCK_V
 from kdn_compile.layers._common import (
     GatedRMSNorm,
     ShortConv,
@@ -19,9 +22,10 @@ from kdn_compile.layers._common import (
     time_step_bias,
     work,
 )
+from kdn_compile.serving import MAX_DECODE_TOKENS
 
 
-class GatedDeltaNet(nn.Module):
+class GatedDeltaNet(SlotCache, nn.Module):
     """Gated DeltaNet token mixer, ``[B, T, D] -> [B, T, D]``.
 
     Per token: ``q, k, v`` from linear projections through a short causal
@@ -31,7 +35,7 @@ class GatedDeltaNet(nn.Module):
     value head) and ``beta = sigmoid(b)``; the recurrence
     ``S_t = (I - beta_t k_t k_t^T) exp(g_t) S_{t-1} + beta_t k_t v_t^T``,
     ``o_t = S_t^T q_t / sqrt(K)`` by :func:`kdn_compile.chunk_gdn` (or
-    :func:`kdn_compile.recurrent_delta_rule` for a single decode token); then
+    :func:`kdn_compile.recurrent_delta_rule` for up to 8 tokens); then
     ``rmsnorm(o) * silu(gate_proj(x))`` and the output projection.
     Source: Yang, Kautz, Hatamizadeh, "Gated Delta Networks" (2024).
 
@@ -53,6 +57,14 @@ class GatedDeltaNet(nn.Module):
     (the recurrent state in float32, float64 for float64 inputs). With
     ``cu_seqlens`` (``[N + 1]`` int boundaries, ``B == 1``) the packed
     sequences stay independent, convolution included.
+
+    Serving (:mod:`kdn_compile.layers._serving`): ``allocate_cache(num_slots, *,
+    state_dtype=torch.float32, device=None)`` makes the slot pools (``"conv"``,
+    ``"recurrent"`` and, for float8, ``"recurrent_scales"``), ``reset_cache(cache,
+    slots)`` frees slots for reuse and ``step(x, cache, state_indices,
+    cu_seqlens=None) -> y`` advances the named slots in place: prompts through
+    :func:`kdn_compile.chunk_gdn`, decode steps of up to 8 tokens through
+    :func:`kdn_compile.delta_rule_decode`.
 
     Raises:
         ValueError: ``num_v_heads`` not a multiple of ``num_heads``, or a size
@@ -121,8 +133,12 @@ class GatedDeltaNet(nn.Module):
         return heads(self.gate_proj(x), self.num_v_heads)
 
     def mix(self, q, k, v, g, beta, initial_state, cu_seqlens):
-        """The sequence mixing: ``(o [B, T, Hv, V], final_state [N, Hv, K, V])``."""
-        if q.shape[1] == 1:  # one decode token: the token recurrence (exact either way)
+        """The sequence mixing: ``(o [B, T, Hv, V], final_state [N, Hv, K, V])``.
+
+        Up to 8 tokens (a length known while tracing, so an export with a dynamic
+        length keeps the chunked op) run the token recurrence; exact either way.
+        """
+        if statically_known_true(q.shape[1] <= MAX_DECODE_TOKENS):
             return kdn_compile.recurrent_delta_rule(
                 q, k, v, g, beta, initial_state=initial_state, cu_seqlens=cu_seqlens
             )
@@ -131,6 +147,14 @@ class GatedDeltaNet(nn.Module):
             q, k, v, g, beta, chunk_size=self.chunk_size,
             initial_state=initial_state, cu_seqlens=cu_seqlens,
         )
+
+    def mixer_inputs(self, x, q, k):
+        """``(q, k, g, beta)``: q and k L2-normalized, the decay and the write strength."""
+        return l2_normalize(q), l2_normalize(k), self.decay(x), self.b_proj(x).sigmoid()
+
+    def output(self, o, x):
+        """``o [B, T, Hv, V]`` through the gated norm and the output projection."""
+        return self.o_proj(self.norm(o, self.output_gate(x)).flatten(-2))
 
     def forward(
         self,
@@ -144,9 +168,32 @@ class GatedDeltaNet(nn.Module):
         rows = num_sequences(x.shape[0], cu_seqlens)
         check_state('state["recurrent"]', recurrent,
                     (rows, self.num_v_heads, self.head_dim, self.head_v_dim))
-        q, k = l2_normalize(q), l2_normalize(k)
-        g = self.decay(x)
-        beta = self.b_proj(x).sigmoid()
+        q, k, g, beta = self.mixer_inputs(x, q, k)
         o, recurrent = self.mix(q, k, v, g, beta, recurrent, cu_seqlens)
-        o = self.norm(o, self.output_gate(x))
-        return self.o_proj(o.flatten(-2)), {"conv": conv_cache, "recurrent": recurrent}
+        return self.output(o, x), {"conv": conv_cache, "recurrent": recurrent}
+
+    # -- serving -------------------------------------------------------------------------
+    def pool_layout(self, state_dtype):
+        layout = {
+            "conv": ((self.conv.kernel_size - 1, self.conv.weight.shape[0]),
+                     self.q_proj.weight.dtype),
+            "recurrent": ((self.num_v_heads, self.head_dim, self.head_v_dim), state_dtype),
+        }
+        if state_dtype == torch.float8_e4m3fn:
+            tiles = -(-self.head_v_dim // POOL_BLOCK_V)
+            layout["recurrent_scales"] = ((self.num_v_heads, tiles), torch.float32)
+        return layout
+
+    def advance(self, x, cache, indices, cu_seqlens, decode):
+        q, k, v = self._conv_step(x, cache, indices, cu_seqlens, self.num_v_heads)
+        q, k, g, beta = self.mixer_inputs(x, q, k)
+        if decode:
+            o = kdn_compile.delta_rule_decode(
+                q, k, v, g, beta, cache["recurrent"], indices,
+                pool_scales=cache.get("recurrent_scales"),
+            )
+        else:
+            initial = load_state(cache, "recurrent", indices, work_dtype(x))
+            o, final = self.mix(q, k, v, g, beta, initial, cu_seqlens)
+            store_state(cache, "recurrent", indices, final)
+        return self.output(o, x)

@@ -20,7 +20,7 @@ class KimiDeltaAttention(GatedDeltaNet):
     ``D -> V -> Hv * K``; ``dt_bias`` has ``Hv * K`` entries), the recurrence
     ``S_t = (I - beta_t k_t k_t^T) diag(exp(g_t)) S_{t-1} + beta_t k_t v_t^T`` by
     :func:`kdn_compile.chunk_kda` (or :func:`kdn_compile.recurrent_delta_rule` for
-    a single decode token), and the output ``rmsnorm(o) * sigmoid(g_proj(x))``
+    up to 8 tokens), and the output ``rmsnorm(o) * sigmoid(g_proj(x))``
     (``g_proj`` low rank, ``D -> V -> Hv * V``, with a bias) before ``o_proj``.
     Source: Kimi Team, "Kimi Linear: An Expressive, Efficient Attention
     Architecture" (2025).

@@ -3,21 +3,26 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 import kdn_compile
 from kdn_compile._checks import check_float, check_state, num_sequences
-from kdn_compile.layers._common import GatedRMSNorm, ShortConv, check_sizes, convolved_qkv, heads
+from kdn_compile.layers._common import GatedRMSNorm, ShortConv, check_sizes, convolved_qkv, heads, work
 from kdn_compile.layers._common import decay_rate_log, time_step_bias
+from kdn_compile.layers._serving import SlotCache, load_state, work_dtype, write_slots
 from kdn_compile.reference import (
+    INITIAL_PRECISION_FLOOR,
     initial_precision_logit,
     initial_state,
     kalman_noise,
     normalize_query_key,
 )
+from kdn_compile.serving import MAX_DECODE_TOKENS
 
 
-class DiagKDN(nn.Module):
+class DiagKDN(SlotCache, nn.Module):
     """Diagonal Kalman Delta Network token mixer, ``[B, T, D] -> [B, T, D]``.
 
     ``q, k, v`` come from linear projections through a short causal depthwise
@@ -48,7 +53,17 @@ class DiagKDN(nn.Module):
     ``None`` (start: zero memory, learned prior precision) or the dict returned
     by the previous call, ``{"conv": [N, conv_size - 1, 2 * H * K + H * V],
     "memory": [N, H, K, V], "precision": [N, H, K]}`` (memory and precision in
-    float32, float64 for float64 inputs).
+    float32, float64 for float64 inputs). Without gradients (``torch.no_grad`` or
+    nothing that requires one) and up to 8 tokens without ``cu_seqlens``, the step
+    runs :func:`kdn_compile.diag_kdn_decode` on a copy of the state (exact either way).
+
+    Serving (:mod:`kdn_compile.layers._serving`): ``allocate_cache(num_slots, *,
+    state_dtype=torch.float32, device=None)`` makes the slot pools (``"conv"``,
+    ``"memory"`` float32 or bfloat16, ``"precision"`` float32 holding the learned
+    prior), ``reset_cache(cache, slots)`` frees slots for reuse and ``step(x, cache,
+    state_indices, cu_seqlens=None) -> y`` advances the named slots in place: prompts
+    through :func:`kdn_compile.diag_kdn`, decode steps of up to 8 tokens through
+    :func:`kdn_compile.diag_kdn_decode`.
 
     Raises:
         ValueError: a size (``hidden_size``, ``num_heads``, head dims, ``chunk_size``,
@@ -96,6 +111,33 @@ class DiagKDN(nn.Module):
         self.norm = GatedRMSNorm(head_v_dim, norm_eps)
         self.o_proj = nn.Linear(value_width, hidden_size, bias=False)
 
+    state_dtypes = (torch.float32, torch.bfloat16, torch.float64)  # no float8 memory
+
+    def mixer_inputs(self, x, q, k, v):
+        """``(q, k, log_alpha, omega, r, prior)``: q and k normalized (back in v's dtype)
+        and the noise model of :func:`kdn_compile.reference.kalman_noise`."""
+        # Normalized in float32, then back in the activations' dtype, as the KDA layer's
+        # q, k, v: with half activations the memory runs on the two-key kernels' half path.
+        q, k = (t.to(v.dtype) for t in normalize_query_key(q, k))
+        return (q, k) + kalman_noise(
+            heads(self.retention_proj(x), self.num_heads),
+            heads(self.omega_proj(x), self.num_heads),
+            self.r_proj(x),
+            self.A_log,
+            self.dt_bias,
+            self.initial_precision_param,
+        )
+
+    def output(self, o, x):
+        """``o [B, T, H, V]`` through the gated norm and the output projection."""
+        o = self.norm(o, heads(self.gate_proj(x), self.num_heads)).to(x.dtype)
+        return self.o_proj(o.flatten(-2))
+
+    def _needs_grad(self, *tensors) -> bool:
+        return torch.is_grad_enabled() and (
+            any(t.requires_grad for t in tensors) or any(p.requires_grad for p in self.parameters())
+        )
+
     def forward(
         self,
         x: torch.Tensor,
@@ -104,17 +146,7 @@ class DiagKDN(nn.Module):
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         conv_cache = None if state is None else state["conv"]
         q, k, v, conv_cache = convolved_qkv(self, x, conv_cache, cu_seqlens, self.num_heads)
-        # Normalized in float32, then back in the activations' dtype, as the KDA layer's
-        # q, k, v: with half activations the memory runs on the two-key kernels' half path.
-        q, k = (t.to(v.dtype) for t in normalize_query_key(q, k))
-        log_alpha, omega, r, prior = kalman_noise(
-            heads(self.retention_proj(x), self.num_heads),
-            heads(self.omega_proj(x), self.num_heads),
-            self.r_proj(x),
-            self.A_log,
-            self.dt_bias,
-            self.initial_precision_param,
-        )
+        q, k, log_alpha, omega, r, prior = self.mixer_inputs(x, q, k, v)
         rows = num_sequences(x.shape[0], cu_seqlens)
         if state is None:
             memory, precision = initial_state(
@@ -125,11 +157,63 @@ class DiagKDN(nn.Module):
             h = self.num_heads
             check_state('state["memory"]', memory, (rows, h, self.head_dim, self.head_v_dim))
             check_state('state["precision"]', precision, (rows, h, self.head_dim))
-        o, memory, precision = kdn_compile.diag_kdn(
-            q, k, v, log_alpha, omega, r, memory, precision,
-            scale=self.head_dim**-0.5, info_scale=self.info_scale,
-            chunk_size=self.chunk_size, cu_seqlens=cu_seqlens,
-        )
-        o = self.norm(o, heads(self.gate_proj(x), self.num_heads)).to(x.dtype)
+        scale = self.head_dim**-0.5
+        short = cu_seqlens is None and statically_known_true(x.shape[1] <= MAX_DECODE_TOKENS)
+        if short and not self._needs_grad(x, memory, precision):
+            # the decode step over a one-slot-per-row copy of the state
+            memory, precision = memory.detach().clone(), precision.detach().clone()
+            o = kdn_compile.diag_kdn_decode(
+                q, k, v, log_alpha, omega, r, memory, precision,
+                torch.arange(rows, device=x.device), scale=scale, info_scale=self.info_scale,
+            )
+        else:
+            o, memory, precision = kdn_compile.diag_kdn(
+                q, k, v, log_alpha, omega, r, memory, precision,
+                scale=scale, info_scale=self.info_scale,
+                chunk_size=self.chunk_size, cu_seqlens=cu_seqlens,
+            )
         state = {"conv": conv_cache, "memory": memory, "precision": precision}
-        return self.o_proj(o.flatten(-2)), state
+        return self.output(o, x), state
+
+    # -- serving -------------------------------------------------------------------------
+    @property
+    def _state_key(self) -> str:
+        return "memory"
+
+    def pool_layout(self, state_dtype):
+        h, dk = self.num_heads, self.head_dim
+        return {
+            "conv": ((self.conv.kernel_size - 1, self.conv.weight.shape[0]),
+                     self.q_proj.weight.dtype),
+            "memory": ((h, dk, self.head_v_dim), state_dtype),
+            "precision": ((h, dk), torch.float64 if state_dtype == torch.float64
+                          else torch.float32),
+        }
+
+    def fresh_row(self, name, shape, dtype, device):
+        if name != "precision":
+            return super().fresh_row(name, shape, dtype, device)
+        # the learned prior of kalman_noise, as initial_state lays it out
+        prior = INITIAL_PRECISION_FLOOR + F.softplus(work(self.initial_precision_param.detach()))
+        _, precision = initial_state(prior, batch_size=1, key_dim=self.head_dim, value_dim=1)
+        return precision[0].to(device, dtype)
+
+    def advance(self, x, cache, indices, cu_seqlens, decode):
+        q, k, v = self._conv_step(x, cache, indices, cu_seqlens, self.num_heads)
+        q, k, log_alpha, omega, r, _ = self.mixer_inputs(x, q, k, v)
+        scale = self.head_dim**-0.5
+        if decode:
+            o = kdn_compile.diag_kdn_decode(
+                q, k, v, log_alpha, omega, r, cache["memory"], cache["precision"], indices,
+                scale=scale, info_scale=self.info_scale,
+            )
+        else:
+            dtype = work_dtype(x)
+            o, memory, precision = kdn_compile.diag_kdn(
+                q, k, v, log_alpha, omega, r, load_state(cache, "memory", indices, dtype),
+                load_state(cache, "precision", indices, dtype), scale=scale,
+                info_scale=self.info_scale, chunk_size=self.chunk_size, cu_seqlens=cu_seqlens,
+            )
+            write_slots(cache["memory"], indices, memory)
+            write_slots(cache["precision"], indices, precision)
+        return self.output(o, x)

@@ -45,7 +45,7 @@ def delta_rule_decode_reference_op(
     return delta_rule_decode_reference(
         q, k, v, g, beta, state_pool, state_indices, scale=scale, state_v_first=state_v_first,
         pool_scales=pool_scales, intermediate_states=intermediate_states,
-    ).clone()
+    ).clone(memory_format=torch.contiguous_format)  # the fake's layout
 
 
 @delta_rule_decode_reference_op.register_fake
@@ -97,7 +97,7 @@ def diag_kdn_decode_reference_op(
     return diag_kdn_decode_reference(
         q, k, v, log_alpha, omega, r, memory_pool, precision_pool, state_indices,
         scale=scale, info_scale=info_scale,
-    ).clone()
+    ).clone(memory_format=torch.contiguous_format)  # the fake's layout
 
 
 @diag_kdn_decode_reference_op.register_fake

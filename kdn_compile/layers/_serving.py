@@ -1,0 +1,240 @@
+"""The layers' serving path: slot pools (``allocate_cache``), ``reset_cache`` and ``step``.
+
+A layer's cache is a dict of pools whose first dimension is the slot ``S``: the
+convolution windows ``"conv" [S, conv_size - 1, C]`` and the recurrent state (per
+layer, see :meth:`SlotCache.pool_rows`). ``step`` reads the slots named by
+``state_indices``, advances them by the tokens of ``x`` and writes them back in
+place; a negative index is a padding row: its outputs are zeros and no slot is read
+or written. Nothing branches on tensor values or reads them on the host, so a step
+traces with ``torch.compile(fullgraph=True)`` and replays in a CUDA graph
+(``mode="reduce-overhead"``): every pool is marked with
+:func:`torch._dynamo.mark_static_address`, which lets CUDA graph trees keep the
+in-place writes to it instead of skipping the graph for a mutated input.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import kdn_compile.ops  # noqa: F401  (registers torch.ops.kdn)
+from kdn_compile._backend import prefer_kernels
+from kdn_compile._checks import check_cu_seqlens, check_pool, check_slot_indices, check_slot_values
+from kdn_compile._checks import num_sequences
+from kdn_compile.reference.fp8 import dequantize_state_fp8, quantize_state_fp8
+from kdn_compile.reference.pools import POOL_BLOCK_V, gather_slots
+from kdn_compile.serving import MAX_DECODE_TOKENS
+
+FLOAT8 = torch.float8_e4m3fn
+
+
+def write_slots(pool: torch.Tensor, indices: torch.Tensor, rows: torch.Tensor) -> None:
+    """``pool[indices[b]] = rows[b]`` (cast to the pool's dtype) where ``indices[b] >= 0``."""
+    op = torch.ops.kdn.scatter_slots if prefer_kernels(pool.device.type) else (
+        torch.ops.kdn.scatter_slots_reference)
+    op(pool, indices, rows.to(pool.dtype).contiguous())
+
+
+def work_dtype(x: torch.Tensor) -> torch.dtype:
+    """The recurrent state's dtype in the layers: float32, float64 for float64 inputs."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def load_state(cache: dict, key: str, indices: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The named slots of ``cache[key]`` in ``dtype`` (float8: dequantized with its scales);
+    padding rows read slot 0."""
+    state = gather_slots(cache[key], indices)
+    if state.dtype == FLOAT8:
+        scales = gather_slots(cache[key + "_scales"], indices)
+        return dequantize_state_fp8(state, scales, POOL_BLOCK_V, dtype)
+    return state.to(dtype)
+
+
+def store_state(cache: dict, key: str, indices: torch.Tensor, state: torch.Tensor) -> None:
+    """``state [N, ...]`` back into the named slots of ``cache[key]`` (float8: quantized as
+    :func:`kdn_compile.reference.fp8.quantize_state_fp8`, one scale per ``[K, 64]`` tile)."""
+    if cache[key].dtype == FLOAT8:
+        values, scales = quantize_state_fp8(state.float(), POOL_BLOCK_V)
+        write_slots(cache[key + "_scales"], indices, scales)
+        state = values
+    write_slots(cache[key], indices, state)
+
+
+def padding_mask(indices: torch.Tensor, x: torch.Tensor, cu_seqlens) -> torch.Tensor:
+    """``[B, T, 1]`` bool: True on the tokens of rows (or packed sequences) with a slot."""
+    valid = indices >= 0
+    if cu_seqlens is None:
+        return valid[:, None, None]
+    steps = torch.arange(x.shape[1], device=x.device)
+    sequence = torch.searchsorted(cu_seqlens.to(torch.long)[1:], steps, right=True)
+    return valid[sequence][None, :, None]
+
+
+class SlotCache:
+    """Mixin of the serving entry points; a layer defines :attr:`state_dtypes`,
+    :meth:`pool_layout` and :meth:`advance` (and :meth:`fresh_row` for a pool whose
+    fresh slot is not zeros)."""
+
+    state_dtypes: tuple = (torch.float32, torch.bfloat16, FLOAT8, torch.float64)
+
+    def pool_layout(self, state_dtype: torch.dtype) -> dict[str, tuple[tuple, torch.dtype]]:
+        """``{name: (shape of one slot, dtype)}`` of the cache's pools."""
+        raise NotImplementedError
+
+    def advance(self, x, cache, indices, cu_seqlens, decode: bool) -> torch.Tensor:
+        """The layer's step after the checks: ``y [B, T, D]`` (padding rows not yet zeroed)."""
+        raise NotImplementedError
+
+    def fresh_row(self, name: str, shape: tuple, dtype: torch.dtype, device) -> torch.Tensor:
+        """One fresh slot of pool ``name``: zeros, ones for float8 scales."""
+        fill = 1.0 if name.endswith("_scales") else 0.0
+        return torch.full(shape, fill, dtype=dtype, device=device)
+
+    def _fresh_rows(self, state_dtype, device) -> dict[str, torch.Tensor]:
+        return {name: self.fresh_row(name, shape, dtype, device)
+                for name, (shape, dtype) in self.pool_layout(state_dtype).items()}
+
+    def _check_state_dtype(self, state_dtype) -> None:
+        if state_dtype not in self.state_dtypes:
+            allowed = ", ".join(str(d).replace("torch.", "") for d in self.state_dtypes)
+            raise TypeError(f"state_dtype of a {type(self).__name__} cache must be one of "
+                            f"{allowed}, got {state_dtype!r}")
+
+    @property
+    def _state_key(self) -> str:
+        return "recurrent"
+
+    def allocate_cache(self, num_slots: int, *, state_dtype: torch.dtype = torch.float32,
+                       device=None) -> dict[str, torch.Tensor]:
+        """Zeroed pools for ``num_slots`` sequences, the layer's serving cache.
+
+        Args:
+            num_slots: slots ``S`` (a positive int): the sequences held at once.
+            state_dtype: dtype of the recurrent state pool, float32 (default), bfloat16,
+                float8_e4m3fn (not for :class:`DiagKDN`) or float64 (exact checks).
+            device: the pools' device (default: the layer's parameters').
+
+        Returns:
+            A dict of contiguous pools, first dimension the slot, each marked with
+            :func:`torch._dynamo.mark_static_address` (CUDA graphs update them in place):
+            ``"conv" [S, conv_size - 1, C]`` in the parameters' dtype, zeros; then
+            :class:`GatedDeltaNet` / :class:`KimiDeltaAttention`: ``"recurrent"
+            [S, Hv, K, V]`` in ``state_dtype``, zeros, and for float8
+            ``"recurrent_scales" [S, Hv, ceil(V / 64)]`` float32, ones (the scale of an
+            all-zero ``[K, 64]`` tile); :class:`DiagKDN`: ``"memory" [S, H, K, V]`` in
+            ``state_dtype``, zeros, and ``"precision" [S, H, K]`` float32 (float64 with a
+            float64 memory) holding the learned prior precision
+            ``INITIAL_PRECISION_FLOOR + softplus(initial_precision_param)``.
+
+        Raises:
+            ValueError: ``num_slots`` not a positive int.
+            TypeError: ``state_dtype`` not one of the dtypes above.
+        """
+        if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 1:
+            raise ValueError(f"num_slots must be an int >= 1, got {num_slots!r}")
+        self._check_state_dtype(state_dtype)
+        device = self.q_proj.weight.device if device is None else torch.device(device)
+        cache = {}
+        with torch.no_grad():
+            for name, row in self._fresh_rows(state_dtype, device).items():
+                pool = row.expand(num_slots, *row.shape).contiguous()
+                torch._dynamo.mark_static_address(pool)
+                cache[name] = pool
+        return cache
+
+    def _check_cache(self, cache, device) -> int:
+        """The pools of ``cache`` as :meth:`allocate_cache` makes them; returns ``S``."""
+        if not isinstance(cache, dict):
+            raise TypeError(f"cache must be the dict of allocate_cache, got {type(cache).__name__}")
+        state = cache.get(self._state_key)
+        dtype = state.dtype if isinstance(state, torch.Tensor) else None
+        layout = self.pool_layout(dtype if dtype in self.state_dtypes else torch.float32)
+        if set(cache) != set(layout):
+            raise ValueError(f"cache must be the pools {sorted(layout)} of allocate_cache "
+                             f"(for a {dtype} state), got keys {sorted(cache)}")
+        slots = None
+        for name, (shape, dtype) in layout.items():
+            dims = "[S, " + ", ".join(str(n) for n in shape) + "]"
+            dtypes = {"conv": (torch.float16, torch.bfloat16, torch.float32, torch.float64),
+                      self._state_key: self.state_dtypes}.get(name, (dtype,))
+            slots = check_pool(f'cache["{name}"]', cache[name], dims, shape, dtypes, device,
+                               slots=slots)
+        return slots
+
+    def reset_cache(self, cache: dict, slots) -> None:
+        """Put ``slots`` back to the fresh state of :meth:`allocate_cache`, for reuse.
+
+        Args:
+            cache: the dict of :meth:`allocate_cache`.
+            slots: slot numbers, an int tensor or a list of ints (distinct, ``< S``);
+                negative ones are skipped.
+
+        Raises:
+            TypeError, ValueError: ``cache`` not such a dict; ``slots`` not ints
+                (RuntimeError on the device for a repeated or out-of-range slot).
+        """
+        device = next(iter(cache.values())).device if isinstance(cache, dict) and cache else None
+        count = self._check_cache(cache, device)
+        indices = torch.as_tensor(slots, device=device)
+        if indices.dtype not in (torch.int32, torch.int64) or indices.dim() != 1:
+            raise TypeError(f"slots must be a 1-d int tensor or a list of ints, got "
+                            f"{indices.dtype} of shape {tuple(indices.shape)}")
+        check_slot_indices(indices, indices.shape[0], count, device)
+        check_slot_values(indices, count)
+        fresh = self._fresh_rows(cache[self._state_key].dtype, device)
+        with torch.no_grad():
+            for name, row in fresh.items():
+                write_slots(cache[name], indices, row.expand(indices.shape[0], *row.shape))
+
+    def step(self, x: torch.Tensor, cache: dict, state_indices: torch.Tensor,
+             cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+        """Advance the slots ``state_indices`` of ``cache`` by the tokens of ``x``, in place.
+
+        Row ``b`` of ``x`` (or packed sequence ``b`` with ``cu_seqlens``) continues the
+        sequence held in slot ``state_indices[b]``; its convolution window and recurrent
+        state are read from the pools and the new ones written back. A decode step
+        (``T <= 8`` tokens per row, no ``cu_seqlens``) runs the decode ops on the pools
+        in place (:func:`kdn_compile.delta_rule_decode` /
+        :func:`kdn_compile.diag_kdn_decode`); a prompt of any length, or packed prompts,
+        run the chunked ops of ``forward`` from the gathered states (float8:
+        dequantized) and write the final states back (float8: quantized per
+        ``[K, 64]`` tile). The math is that of ``forward``: prefilling with ``step``
+        and decoding token by token equals one ``forward`` over the whole sequence.
+
+        Args:
+            x: ``[B, T, D]`` activations in the parameters' dtype.
+            cache: the dict of :meth:`allocate_cache`, on ``x``'s device.
+            state_indices: ``[N]`` int32/int64 slots on ``x``'s device, ``N = B`` (or
+                the packed sequences); non-negative ones distinct and ``< S`` (checked
+                on the device without a host sync); negative: a padding row.
+            cu_seqlens: optional ``[N + 1]`` boundaries of packed prompts (``B == 1``).
+
+        Returns:
+            ``y [B, T, D]`` in ``x``'s dtype; zeros on the tokens of padding rows, whose
+            slots (and every slot not named) are neither read nor written.
+
+        Raises:
+            ValueError, TypeError: naming the argument: ``x`` not ``[B, T, D]``;
+                ``cache`` not this layer's pools on ``x``'s device; ``state_indices``
+                of the wrong dtype, shape or device; ``cu_seqlens`` as in ``forward``.
+        """
+        if not isinstance(x, torch.Tensor) or x.dim() != 3:
+            raise ValueError(f"x must be [B, T, D] (3 dims), got "
+                             f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x)}")
+        slots = self._check_cache(cache, x.device)
+        check_cu_seqlens(cu_seqlens, x.shape[0], x.device, x.shape[1])
+        rows = num_sequences(x.shape[0], cu_seqlens)
+        check_slot_indices(state_indices, rows, slots, x.device)
+        decode = cu_seqlens is None and x.shape[1] <= MAX_DECODE_TOKENS
+        if not decode:  # the decode ops check the values themselves
+            check_slot_values(state_indices, slots)
+        y = self.advance(x, cache, state_indices, cu_seqlens, decode)
+        return torch.where(padding_mask(state_indices, x, cu_seqlens), y, 0.0)
+
+    def _conv_step(self, x, cache, indices, cu_seqlens, value_heads):
+        """q, k, v through the convolution from the named windows; the new windows stored."""
+        from kdn_compile.layers._common import convolved_qkv
+
+        windows = gather_slots(cache["conv"], indices)
+        q, k, v, windows = convolved_qkv(self, x, windows, cu_seqlens, value_heads)
+        write_slots(cache["conv"], indices, windows)
+        return q, k, v
