@@ -24,24 +24,29 @@ def _unique(values):
 
 def table(rows: Sequence[dict]) -> str:
     """A markdown table of one family's rows: one line per (case, shape), the milliseconds
-    of each implementation, ``ours / FLA`` where both ran, and peak memory where measured."""
+    of each implementation, ``ours / FLA`` (and of their CUDA-graph replays) where both ran,
+    peak memory and state bandwidth (``GBps``) where measured."""
     impls = _unique(r["impl"] for r in rows)
     by_key = {(r["case"], _shape(r), r["impl"]): r for r in rows}
-    with_fla = "ours" in impls and "FLA" in impls
+    ratios = [(a, b) for a, b in (("ours", "FLA"), ("ours graph", "FLA graph"))
+              if a in impls and b in impls]
     peaks = [i for i in impls if any("peak_mib" in r for r in rows if r["impl"] == i)]
+    rates = [i for i in impls if any("GBps" in r for r in rows if r["impl"] == i)]
     header = ["case", "B x T x H", *(f"{i} ms" for i in impls)]
-    header += ["ours / FLA"] if with_fla else []
+    header += [f"{a} / {b}" for a, b in ratios]
     header += [f"{i} peak MiB" for i in peaks]
+    header += [f"{i} GB/s" for i in rates]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for case, shape in _unique((r["case"], _shape(r)) for r in rows):
         got = {i: by_key.get((case, shape, i)) for i in impls}
         cells = [case, shape]
         cells += [f"{got[i]['ms']:.3f}" if got[i] else "-" for i in impls]
-        if with_fla:
-            ours, fla = got["ours"], got["FLA"]
-            cells.append(f"{ours['ms'] / fla['ms']:.2f}" if ours and fla else "-")
+        for a, b in ratios:
+            cells.append(f"{got[a]['ms'] / got[b]['ms']:.2f}" if got[a] and got[b] else "-")
         cells += [f"{got[i]['peak_mib']:.0f}" if got[i] and "peak_mib" in got[i] else "-"
                   for i in peaks]
+        cells += [f"{got[i]['GBps']:.0f}" if got[i] and "GBps" in got[i] else "-"
+                  for i in rates]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
