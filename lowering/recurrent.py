@@ -61,18 +61,26 @@ def recurrent_kernel_supports(q, v, state_dtypes=()) -> bool:
     )
 
 
-def decode_config(rows: int, heads: int, value_dim: int, float8: bool) -> tuple[int, int]:
+def decode_config(rows: int, heads: int, value_dim: int, state_dtype: torch.dtype
+                  ) -> tuple[int, int]:
     """``(BV, num_warps)``: value columns per program and warps, from shapes only.
 
-    A float8 pool needs ``BV = 64`` (one program per scale tile). Otherwise 8-column tiles
-    on one warp while ``rows * heads`` is small (batch-1 latency: four times the programs of
-    32-column tiles), 32-column tiles on 4 warps above (H200 sweep, ``benchmarks/bench_decode.py``).
+    Fastest on the H200 in CUDA-graph replays at ``K = V = 128``, batch 64 and 256
+    (``kdn-compile bench --ops decode`` times the defaults): float32 pools 64 columns on 2
+    warps (279 us at batch 256, against 299 for 32 on 4); bfloat16 32 on 2 (190 against
+    209 for 64 on 2); float8 pools need ``BV = 64`` (one program per scale tile), on 4 warps
+    (228 against 304 on 2). Few ``rows * heads`` (batch 1): 8-column tiles on one warp,
+    the most programs.
     """
-    if float8:
-        return min(FP8_BLOCK_V, triton.next_power_of_2(value_dim)), 4
-    if rows * heads < 512:
-        return min(8, triton.next_power_of_2(value_dim)), 1
-    return min(32, triton.next_power_of_2(value_dim)), 4
+    if state_dtype == torch.float8_e4m3fn:
+        tile, warps = FP8_BLOCK_V, 4
+    elif rows * heads < 512:
+        tile, warps = 8, 1
+    elif state_dtype == torch.float32:
+        tile, warps = 64, 2
+    else:
+        tile, warps = 32, 2
+    return min(tile, triton.next_power_of_2(value_dim)), warps
 
 
 @triton.jit
@@ -260,8 +268,8 @@ def recurrent_delta_fwd(
     b, length, hk, dk = q.shape
     hv, dv = v.shape[2], v.shape[3]
     n = b if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    float8 = _FP8 in (_state_kind(state_in), _state_kind(state_out))
-    tile, warps = decode_config(n, hv, dv, float8)
+    dtype = state_out.dtype if _state_kind(state_in) != _FP8 else state_in.dtype
+    tile, warps = decode_config(n, hv, dv, dtype)
     tile, warps = block_v or tile, num_warps or warps
     o = torch.empty_like(v)
     slots = state_out.shape[0] if indices is not None else n

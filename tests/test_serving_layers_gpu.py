@@ -23,6 +23,12 @@ LAYERS = {
 }
 
 
+# Compiled and eager projections round differently at float32 resolution (1e-6); a half or
+# float8 pool can turn such a difference into one rounding step of a stored state element,
+# which the later steps carry (bfloat16 replays measured up to 6e-5 on the H200).
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-3, torch.float8_e4m3fn: 1e-2}
+
+
 def _pool_dtypes(name):
     return [torch.float32, torch.bfloat16] + ([torch.float8_e4m3fn] if name != "kdn" else [])
 
@@ -51,10 +57,11 @@ def test_reduce_overhead_replays_100_steps_equal_to_eager(name):
                 out = step(x, graph_cache, slots)
                 got = out.clone()
                 out.fill_(float("nan"))  # the next replay must write every element
-                assert_close(got, want, 1e-5, f"{name} {dtype} replay {i}")
+                assert_close(got, want, TOLERANCE[dtype], f"{name} {dtype} replay {i}")
                 assert torch.equal(got[1], torch.zeros_like(got[1]))
         for key, pool in graph_cache.items():
-            assert_close(pool.float(), eager_cache[key].float(), 1e-5, f"{name} {dtype} {key}")
+            assert_close(pool.float(), eager_cache[key].float(), TOLERANCE[dtype],
+                         f"{name} {dtype} {key}")
     assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
 
 
