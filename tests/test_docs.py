@@ -25,3 +25,11 @@ def test_quickstart_runs_and_matches_the_readme():
     assert done.returncode == 0, done.stderr[-3000:]
     loss = float(re.fullmatch(r"loss ([\d.]+)\n", done.stdout)[1])
     assert 4.0 < loss < 6.0, done.stdout
+
+
+def test_serving_example_runs():
+    code = python_block(ROOT / "docs" / "serving.md")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=600, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.startswith("torch.Size([2, 1, 64]) 0.0"), done.stdout

@@ -24,9 +24,11 @@ LAYERS = {
 
 
 # Compiled and eager projections round differently at float32 resolution (1e-6); a half or
-# float8 pool can turn such a difference into one rounding step of a stored state element,
-# which the later steps carry (bfloat16 replays measured up to 6e-5 on the H200).
-TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-3, torch.float8_e4m3fn: 1e-2}
+# float8 pool turns such a difference into a rounding step of a stored state element now
+# and then, which later steps carry: the two runs drift apart as a low-precision pool
+# drifts from a float32 one (bfloat16: 3.3e-3 after 60 replays on the H200; over 1000
+# steps a bfloat16 pool is within 7e-3 of float32, float8 within 1e-1).
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float8_e4m3fn: 1.5e-1}
 
 
 def _pool_dtypes(name):

@@ -29,6 +29,8 @@ module). It defines:
     "ms": float}`` plus, optionally, ``"peak_mib": float`` and ``"GBps": float``. ``impl`` is ``"ours"`` for the
     timed kdn function, ``"FLA"`` for FLA's; other names (``"ours eager"``) add columns.
     The command adds the family, the shape and the run's metadata to each row.
+``PLOT_IMPLS: tuple[str, ...]`` (optional)
+    the implementations drawn in the plots (default: all).
 
 :mod:`kdn_compile.bench.timing` holds the shared helpers (:func:`~.timing.median_ms`,
 :func:`~.timing.rotating`, :func:`~.timing.peak_mib`, :func:`~.timing.relative_error`).

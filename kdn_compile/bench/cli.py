@@ -96,8 +96,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"{name} {shape}: done", flush=True)
         done.append((name, family.TITLE, rows))
         print(f"\n### {family.TITLE}\n\n{report.table(rows)}\n", flush=True)
-    paths = report.write(args.out, [(title, rows) for _, title, rows in done], meta, command)
-    for name, _, rows in done:
-        paths += report.plot(args.out, name, rows)
-    print("wrote " + ", ".join(paths))
+        # written after every family: a run stopped later keeps what it finished
+        paths = report.write(args.out, [(title, rows) for _, title, rows in done], meta, command)
+        paths += report.plot(args.out, name, rows, getattr(family, "PLOT_IMPLS", None))
+        print("wrote " + ", ".join(paths), flush=True)
     return 1 if failed else 0

@@ -27,6 +27,7 @@ TITLE = ("Decode over state pools: B x T x H = batch x tokens per step x value h
          "(key heads H / 2), K = V = 128, bf16")
 DEFAULT_SHAPES = (Shape(1, 1, 32), Shape(64, 1, 32), Shape(256, 1, 32), Shape(1, 4, 32),
                   Shape(64, 4, 32), Shape(256, 4, 32))
+PLOT_IMPLS = ("ours graph", "FLA graph")  # the plots: CUDA-graph replays only
 HEAD_DIM = 128
 TOLERANCE = 2e-2  # bf16 inputs against float64 (float8 pools start from their own values)
 FP8 = torch.float8_e4m3fn

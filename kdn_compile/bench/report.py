@@ -93,10 +93,11 @@ def _series(rows, fixed: str, along: str):
     return {key: sorted(points) for key, points in found.items() if len(points) > 1}
 
 
-def plot(out_dir: str, family: str, rows: Sequence[dict]) -> list[str]:
+def plot(out_dir: str, family: str, rows: Sequence[dict],
+         impls: Sequence[str] | None = None) -> list[str]:
     """PNG plots of time against sequence length (batch fixed) and against batch (length
-    fixed), one line per implementation and case; returns the paths written. Prints why
-    and returns ``[]`` when matplotlib is not installed."""
+    fixed), one line per implementation (those in ``impls`` when given) and case; returns
+    the paths written. Prints why and returns ``[]`` when matplotlib is not installed."""
     try:
         import matplotlib
 
@@ -107,16 +108,18 @@ def plot(out_dir: str, family: str, rows: Sequence[dict]) -> list[str]:
               "(pip install 'kdn-compile[bench]')")
         return []
     paths = []
+    if impls is not None:
+        rows = [r for r in rows if r["impl"] in impls]
     for along, fixed, label in (("length", "batch", "sequence length T"),
                                 ("batch", "length", "batch B")):
         series = _series(rows, fixed, along)
         if not series:
             continue
-        fig, ax = plt.subplots(figsize=(6, 4))
+        fig, ax = plt.subplots(figsize=(9, 4.5))
         for (case, impl, value), points in series.items():
             ax.plot(*zip(*points), marker="o", label=f"{case} {impl} ({fixed} {value})")
         ax.set(xscale="log", yscale="log", xlabel=label, ylabel="ms (median)", title=family)
-        ax.legend(fontsize="small")
+        ax.legend(fontsize="x-small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
         fig.tight_layout()
         path = os.path.join(out_dir, f"{family}-vs-{along}.png")
         fig.savefig(path, dpi=120)
