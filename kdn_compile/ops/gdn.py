@@ -68,8 +68,8 @@ def _gdn_kernels(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size, state_
     Kernels: a device that can launch them (CUDA, or eager CPU under
     ``TRITON_INTERPRET=1``), no FP8 state quantization, and the shapes and
     dtypes of :func:`~kdn_compile.lowering.chunk_gdn_fwd.gdn_kernel_supports`
-    (chunk size 64; K and V in {64, 128} for half inputs, powers of two in
-    [16, 128] for float32).
+    (chunk size 64; q, k, v in float16, bfloat16 or float32 with K and V powers of
+    two in [16, 256]).
     """
     return (
         not state_qdq

@@ -70,8 +70,8 @@ DIAG_KDN = FamilyOps(
 def _gain_kernels(q, k, log_alpha, omega, r, precision, cu_seqlens) -> bool:
     """Whether the Kalman gain runs on its Triton kernels (``lowering/kalman_gain*.py``).
 
-    Varlen while tracing stays on the reference: the interim memory math below
-    reads ``cu_seqlens`` on the host.
+    Varlen while tracing stays on the reference: the reference memory math below
+    (:func:`_memory`) reads ``cu_seqlens`` on the host.
     """
     return (
         can_launch(q)
@@ -81,9 +81,8 @@ def _gain_kernels(q, k, log_alpha, omega, r, precision, cu_seqlens) -> bool:
 
 
 def _memory(q, k, v, log_alpha, gain, memory, cu_seqlens, scale, chunk_size):
-    """Two-key memory from the gains by the reference math, one run per sequence.
-
-    Interim: the two-key Triton kernels replace it. Returns ``(output, memory)``.
+    """Two-key memory from the gains by the reference math, one run per sequence: the
+    path of inputs that the two-key kernels do not cover. Returns ``(output, memory)``.
     """
     dtype = work_dtype(q.dtype)
     work = [x.to(dtype) for x in (q, k, v, log_alpha, gain)]
