@@ -163,7 +163,7 @@ def test_packed_sequences_equal_separate(name):
 
 @pytest.mark.parametrize("name", sorted(LAYERS))
 def test_bad_state_or_input_rank_is_rejected_by_name(name):
-    # used to fail inside torch.cat ("Sizes of tensors must match"), naming no argument
+    # named by the layer, not by an error inside torch.cat ("Sizes of tensors must match")
     layer = make_layer(name)
     _, state = layer(inputs(2, 6))
     with pytest.raises(ValueError, match=r'state\["conv"\] must have shape \(1, 3, \d+\), got \(2, 3, \d+\)'):
@@ -171,16 +171,16 @@ def test_bad_state_or_input_rank_is_rejected_by_name(name):
     _, packed = layer(inputs(1, 9), cu_seqlens=torch.tensor([0, 2, 5, 9]))
     with pytest.raises(ValueError, match=r'state\["conv"\] must have shape \(2, 3, \d+\), got \(3, 3, \d+\)'):
         layer(inputs(1, 9), packed, cu_seqlens=torch.tensor([0, 4, 9]))
-    # a recurrent state of another batch (conv cache right) used to be named by the op's argument
+    # a recurrent state of another batch (conv cache right): named as the layer's state entry
     rec = "memory" if name == "kdn" else "recurrent"
     wrong = dict(state)
     wrong["conv"] = state["conv"][:1]
     with pytest.raises(ValueError, match=rf'state\["{rec}"\] must have shape \(1, '):
         layer(inputs(1, 1), wrong)
-    # an unbatched [T, D] input used to fail inside torch.cat ("same number of dimensions")
+    # an unbatched [T, D] input: named by the layer, not by an error inside torch.cat
     with pytest.raises(ValueError, match=r"x must be \[B, T, D\] \(3 dims\), got shape \(6, 24\)"):
         layer(inputs(1, 6)[0])
-    # another hidden size used to fail inside a projection ("mat1 and mat2 shapes ...")
+    # another hidden size: named by the layer, not by an error inside a projection
     with pytest.raises(ValueError, match=r"x must be \[B, T, D\] with D = hidden_size = 24, "
                                          r"got shape \(1, 6, 23\)"):
         layer(inputs(1, 6)[..., :23])

@@ -193,7 +193,7 @@ def test_diag_kdn_prefill_then_decode_continues():
 
 
 def test_diag_kdn_reference_validates_like_the_delta_rule_references():
-    # cu_seqlens ending before T used to drop the trailing tokens silently ([1, 6, H, V] out)
+    # cu_seqlens ending before T must not drop the trailing tokens silently
     x = kdn_inputs(B=1, T=9, K=4, V=3, N=2)
     with pytest.raises(ValueError, match=r"cu_seqlens must start at 0, never decrease and end at T = 9"):
         ref.diag_kdn_reference(**x, scale=1.0, info_scale=1.0, cu_seqlens=torch.tensor([0, 3, 6]))

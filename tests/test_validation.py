@@ -120,7 +120,7 @@ def test_zero_heads_flags_and_scalars():
     z = kdn_inputs(T=5, K=4, V=3)
     with pytest.raises(TypeError, match=r"scale must be a float, got NoneType"):
         kdn_compile.diag_kdn(**z, scale=None, info_scale=1.0)
-    # chunk_size=None used to fail inside int(None), naming no argument
+    # chunk_size=None: an error naming the argument, not one from inside int(None)
     with pytest.raises(TypeError, match=r"chunk_size must be a positive int, got NoneType"):
         kdn_compile.diag_kdn(**z, scale=1.0, info_scale=1.0, chunk_size=None)
     w = delta_inputs(T=4, K=4, V=3)
