@@ -37,6 +37,19 @@ _POOL_DTYPES = (torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.float6
 _INTERMEDIATE_DTYPES = (torch.float32, torch.bfloat16, torch.float64)
 
 
+def _check_inference(**tensors) -> None:
+    """Decode steps have no autograd: refuse inputs that would need it, before any pool is
+    written (rather than an error at ``backward``)."""
+    if torch.is_grad_enabled():
+        needing = [n for n, t in tensors.items() if t is not None and t.requires_grad]
+        if needing:
+            raise RuntimeError(
+                f"decode steps are inference only, but {', '.join(needing)} require grad: call "
+                "under torch.no_grad() (or detach them); train with chunk_gdn / chunk_kda / "
+                "diag_kdn or recurrent_delta_rule"
+            )
+
+
 def _check_tokens(q: torch.Tensor) -> None:
     if not 1 <= q.shape[1] <= MAX_DECODE_TOKENS:
         raise ValueError(
@@ -101,12 +114,15 @@ def delta_rule_decode(
             another shape, dtype or device, or not contiguous; indices of the wrong
             dtype, shape or device; a float8 pool without ``pool_scales`` (or scales with
             another pool); ``intermediate_states`` of another shape or dtype.
+        RuntimeError: an input requires grad while grad mode is on (decode is inference
+            only); on the CPU, indices repeating a slot or past the pool.
 
     Source: the token recurrence of :func:`kdn_compile.reference.recurrent_delta_rule_reference`;
     :func:`kdn_compile.reference.pools.delta_rule_decode_reference` is the exact oracle.
     """
     check_delta_inputs(q, k, v, g, beta, gate="any")
     _check_tokens(q)
+    _check_inference(q=q, k=k, v=v, g=g, beta=beta, state_pool=state_pool)
     check_flag("state_v_first", state_v_first)
     b, t, _, dk = q.shape
     hv, dv = v.shape[2], v.shape[3]
@@ -190,6 +206,8 @@ def diag_kdn_decode(
     """
     check_kdn_inputs(q, k, v, log_alpha, omega, r, None, None)
     _check_tokens(q)
+    _check_inference(q=q, k=k, v=v, log_alpha=log_alpha, omega=omega, r=r,
+                     memory_pool=memory_pool, precision_pool=precision_pool)
     b, _, h, dk = q.shape
     dv = v.shape[3]
     memory_dtypes = (torch.float32, torch.bfloat16, torch.float64)

@@ -274,7 +274,9 @@ def recurrent_delta_fwd(
     o = torch.empty_like(v)
     slots = state_out.shape[0] if indices is not None else n
     check = indices is not None and check_indices
-    ok = torch.empty((), dtype=torch.bool, device=q.device) if check else None
+    ok = None
+    if check:  # written by the first program; an empty batch launches none
+        ok = (torch.empty if n > 0 else torch.ones)((), dtype=torch.bool, device=q.device)
     _launch(_recurrent_delta_kernel, (triton.cdiv(dv, tile), n * hv), q)(
         q, k, v, g, beta, write_key, o, state_in, scales, state_out, scales, intermediate,
         indices, ok, cu_seqlens, length, n, slots, scale,
@@ -348,7 +350,8 @@ def recurrent_kdn_fwd(
     """
     b, length, h, dk = q.shape
     gain = torch.empty(k.shape, dtype=torch.float32, device=k.device)
-    ok = torch.empty((), dtype=torch.bool, device=q.device)
+    # written by the first program; an empty batch launches none
+    ok = (torch.empty if b > 0 else torch.ones)((), dtype=torch.bool, device=q.device)
     _launch(_decode_gain_kernel, (b * h,), q)(
         k, log_alpha, omega, r, gain, precision, indices, ok, length, b, memory.shape[0],
         info_scale, H=h, K=dk, BK=triton.next_power_of_2(dk), CHECK_BLOCK=_CHECK_BLOCK,

@@ -332,3 +332,36 @@ def test_short_prefill_then_decode_equals_one_pass():
     assert_close(torch.cat(outs, 1), full, 1e-5, "outputs")
     assert_close(pool[idx], final, 1e-5, "state")
     assert F.mse_loss(pool[0], torch.zeros(2, 8, 8)) == 0
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_strided_indices_empty_batch_and_grad_inputs(backend):
+    """Indices with a stride name the same slots as their contiguous copy; an empty batch is a
+    no-op; inputs that require grad are refused before any pool is written."""
+    x = delta_inputs(B=3, T=2, Hk=1, Hv=2, K=4, V=3, dtype=torch.float32, with_state=False)
+    pool = torch.randn(6, 2, 4, 3)
+    strided = torch.tensor([4, 0, -1, 5, 1, 3])[::2]  # [4, -1, 1]
+    with kdn_compile.use_backend(backend):
+        p1, p2 = pool.clone(), pool.clone()
+        o1 = kdn_compile.delta_rule_decode(*x.values(), p1, strided)
+        o2 = kdn_compile.delta_rule_decode(*x.values(), p2, strided.contiguous())
+        assert torch.equal(o1, o2) and torch.equal(p1, p2)
+        assert torch.equal(p1[[0, 2, 3, 5]], pool[[0, 2, 3, 5]])
+        empty = {n: t[:0] for n, t in x.items()}
+        for _ in range(20):  # the index flag of an empty launch must read as valid
+            o = kdn_compile.delta_rule_decode(*empty.values(), p1, torch.zeros(0, dtype=torch.long))
+        assert o.shape == (0, 2, 2, 3) and torch.equal(p1, p2)
+        kd = kdn_inputs(B=2, T=1, H=2, K=4, V=3, dtype=torch.float32)
+        seq = [kd[n] for n in ("q", "k", "v", "log_alpha", "omega", "r")]
+        memory, precision = torch.randn(4, 2, 4, 3), torch.rand(4, 2, 4) + 0.5
+        o1 = kdn_compile.diag_kdn_decode(*seq, memory.clone(), precision.clone(),
+                                         torch.tensor([3, 9, 1])[::2], scale=0.5, info_scale=1.0)
+        o2 = kdn_compile.diag_kdn_decode(*seq, memory.clone(), precision.clone(),
+                                         torch.tensor([3, 1]), scale=0.5, info_scale=1.0)
+        assert torch.equal(o1, o2)
+        q = x["q"].clone().requires_grad_()
+        with pytest.raises(RuntimeError, match="inference only, but q require grad"):
+            kdn_compile.delta_rule_decode(q, *list(x.values())[1:], p1, strided)
+        assert torch.equal(p1, p2)
+        with torch.no_grad():
+            kdn_compile.delta_rule_decode(q, *list(x.values())[1:], p1, strided)

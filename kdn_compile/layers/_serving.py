@@ -31,7 +31,7 @@ def write_slots(pool: torch.Tensor, indices: torch.Tensor, rows: torch.Tensor) -
     """``pool[indices[b]] = rows[b]`` (cast to the pool's dtype) where ``indices[b] >= 0``."""
     op = torch.ops.kdn.scatter_slots if prefer_kernels(pool.device.type) else (
         torch.ops.kdn.scatter_slots_reference)
-    op(pool, indices, rows.to(pool.dtype).contiguous())
+    op(pool, indices.contiguous(), rows.to(pool.dtype).contiguous())
 
 
 def work_dtype(x: torch.Tensor) -> torch.dtype:
@@ -198,7 +198,8 @@ class SlotCache:
         run the chunked ops of ``forward`` from the gathered states (float8:
         dequantized) and write the final states back (float8: quantized per
         ``[K, 64]`` tile). The math is that of ``forward``: prefilling with ``step``
-        and decoding token by token equals one ``forward`` over the whole sequence.
+        and decoding token by token equals one ``forward`` over the whole sequence. It
+        runs without autograd (``y`` carries no gradient).
 
         Args:
             x: ``[B, T, D]`` activations in the parameters' dtype.
@@ -224,10 +225,14 @@ class SlotCache:
         check_cu_seqlens(cu_seqlens, x.shape[0], x.device, x.shape[1])
         rows = num_sequences(x.shape[0], cu_seqlens)
         check_slot_indices(state_indices, rows, slots, x.device)
+        state_indices = state_indices.contiguous()  # the kernels index it as a dense vector
         decode = cu_seqlens is None and x.shape[1] <= MAX_DECODE_TOKENS
-        if not decode:  # the decode ops check the values themselves
+        # The decode kernels check the values themselves (an assert after the step, since the
+        # device runs ahead of the host); elsewhere check them before any pool is written.
+        if not decode or not prefer_kernels(x.device.type):
             check_slot_values(state_indices, slots)
-        y = self.advance(x, cache, state_indices, cu_seqlens, decode)
+        with torch.no_grad():  # serving: the decode ops have no autograd
+            y = self.advance(x, cache, state_indices, cu_seqlens, decode)
         return torch.where(padding_mask(state_indices, x, cu_seqlens), y, 0.0)
 
     def _conv_step(self, x, cache, indices, cu_seqlens, value_heads):

@@ -58,7 +58,13 @@ def _delta_kernels(q, v, state_pool, intermediate_states) -> bool:
     states = (state_pool.dtype,) + (
         () if intermediate_states is None else (intermediate_states.dtype,)
     )
-    return can_launch(q) and recurrent_kernel_supports(q, v, states)
+    return can_launch(q) and recurrent_kernel_supports(q, v, states) and interpreted_ok(q, states)
+
+
+def interpreted_ok(q: Tensor, state_dtypes) -> bool:
+    """On the CPU (Triton's interpreter) no bfloat16 state: the interpreter truncates float32
+    to bfloat16 where the GPU rounds to nearest even (triton 3.9)."""
+    return q.device.type != "cpu" or torch.bfloat16 not in state_dtypes
 
 
 def delta_rule_decode_body(
@@ -75,7 +81,8 @@ def delta_rule_decode_body(
     o, slots_ok = recurrent_delta_fwd(
         q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(),
         scale=scale, state_in=state_pool, state_out=state_pool, scales=pool_scales,
-        indices=state_indices, intermediate=intermediate_states, state_v_first=state_v_first,
+        indices=state_indices.contiguous(), intermediate=intermediate_states,
+        state_v_first=state_v_first,
     )
     torch._assert_async(slots_ok, SLOT_ERROR)
     return o
@@ -111,6 +118,7 @@ def _kdn_kernels(q, v, memory_pool, precision_pool) -> bool:
         can_launch(q) and precision_pool.dtype == torch.float32
         and memory_pool.dtype != torch.float8_e4m3fn
         and recurrent_kernel_supports(q, v, (memory_pool.dtype,))
+        and interpreted_ok(q, (memory_pool.dtype,))
     )
 
 
@@ -127,7 +135,7 @@ def diag_kdn_decode_body(
         )
     o, slots_ok = recurrent_kdn_fwd(
         *(x.contiguous() for x in (q, k, v, log_alpha, omega, r)), memory_pool,
-        precision_pool, state_indices, scale=scale, info_scale=info_scale,
+        precision_pool, state_indices.contiguous(), scale=scale, info_scale=info_scale,
         log_alpha_floor=LOG_MEMORY_ALPHA_FLOOR,
     )
     torch._assert_async(slots_ok, SLOT_ERROR)

@@ -20,6 +20,7 @@ from kdn_compile import reference as ref
 from kdn_compile.ops._dispatch import TRITON, can_launch
 from kdn_compile.ops._registry import FamilyOps
 from kdn_compile.ops._shapes import empty_state
+from kdn_compile.ops.decode import interpreted_ok
 
 if TRITON:  # else every op takes its reference (see _dispatch.TRITON)
     from kdn_compile.lowering.recurrent import recurrent_delta_fwd, recurrent_kernel_supports
@@ -54,7 +55,8 @@ def _recurrent_kernels(q, v, initial_state) -> bool:
     """Kernels: a device that can launch them and the dtypes and sizes of
     :func:`~kdn_compile.lowering.recurrent.recurrent_kernel_supports`."""
     states = () if initial_state is None else (initial_state.dtype,)
-    return can_launch(q) and recurrent_kernel_supports(q, v, states)
+    return (can_launch(q) and recurrent_kernel_supports(q, v, states)
+            and interpreted_ok(q, states))
 
 
 def recurrent_delta_rule_body(

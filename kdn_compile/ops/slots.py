@@ -43,4 +43,4 @@ def scatter_slots_op(pool: Tensor, indices: Tensor, rows: Tensor) -> None:
     if not can_launch(rows):
         torch.ops.kdn.scatter_slots_reference(pool, indices, rows)
         return
-    scatter_slots_fwd(pool, indices, rows.contiguous())
+    scatter_slots_fwd(pool, indices.contiguous(), rows.contiguous())
