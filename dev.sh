@@ -9,8 +9,9 @@
 # Set-up: a virtual environment in .venv, made by the interpreter that starts
 # ./dev.sh (`python3`, or $PYTHON). Where that interpreter already has torch >= 2.11
 # (a virtualenv, conda, or the system) .venv sees its packages through a .pth file
-# and keeps that torch; otherwise .venv gets the pinned CPU build torch==2.13.0 (an
-# unpinned torch pulls a multi-GB CUDA build) and triton==3.9.0. Then whatever of
+# and keeps that torch; otherwise .venv gets torch==2.13.0 and triton==3.9.0 (the CPU
+# build where pip is configured to serve it, as on the project's CI machines; from
+# plain PyPI on Linux the CUDA build). Then whatever of
 # the test and docs tools is missing, and this package, editable. Nothing is
 # installed into the starting interpreter's environment and nothing is replaced.
 set -euo pipefail

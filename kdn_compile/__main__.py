@@ -20,6 +20,16 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_arguments(commands.add_parser(
         "bench", help="time the ops and layers on a CUDA GPU, optionally against FLA"))
     args = parser.parse_args(argv)
+    device = getattr(args, "device", None)
+    if device is not None:
+        import torch
+
+        try:
+            kind = torch.device(device).type
+        except RuntimeError as error:
+            parser.error(f"--device: {error}")
+        if kind == "cuda" and not torch.cuda.is_available():
+            parser.error("--device cuda: this torch sees no CUDA device")
     if args.command == "demo":
         demo.run(args)
         return 0

@@ -58,7 +58,7 @@ class GatedDeltaNet(SlotCache, nn.Module):
     ``cu_seqlens`` (``[N + 1]`` int boundaries, ``B == 1``) the packed
     sequences stay independent, convolution included.
 
-    Serving (:mod:`kdn_compile.layers._serving`): ``allocate_cache(num_slots, *,
+    Serving (:doc:`/serving`): ``allocate_cache(num_slots, *,
     state_dtype=torch.float32, device=None)`` makes the slot pools (``"conv"``,
     ``"recurrent"`` and, for float8, ``"recurrent_scales"``), ``reset_cache(cache,
     slots)`` frees slots for reuse and ``step(x, cache, state_indices,
@@ -162,6 +162,10 @@ class GatedDeltaNet(SlotCache, nn.Module):
         state: dict[str, torch.Tensor] | None = None,
         cu_seqlens: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """``x [B, T, D]`` -> ``(y [B, T, D], state)``, continuing ``state`` (None: a fresh
+        sequence) as the class docstring says; up to 8 tokens run the token-recurrence
+        kernels (:func:`kdn_compile.recurrent_delta_rule`), longer inputs the chunked ones.
+        Training and whole sequences; a server's slot pools use :meth:`step`."""
         conv_cache = None if state is None else state["conv"]
         recurrent = None if state is None else state["recurrent"]
         q, k, v, conv_cache = convolved_qkv(self, x, conv_cache, cu_seqlens, self.num_v_heads)

@@ -57,7 +57,7 @@ class DiagKDN(SlotCache, nn.Module):
     nothing that requires one) and up to 8 tokens without ``cu_seqlens``, the step
     runs :func:`kdn_compile.diag_kdn_decode` on a copy of the state (exact either way).
 
-    Serving (:mod:`kdn_compile.layers._serving`): ``allocate_cache(num_slots, *,
+    Serving (:doc:`/serving`): ``allocate_cache(num_slots, *,
     state_dtype=torch.float32, device=None)`` makes the slot pools (``"conv"``,
     ``"memory"`` float32 or bfloat16, ``"precision"`` float32 holding the learned
     prior), ``reset_cache(cache, slots)`` frees slots for reuse and ``step(x, cache,
@@ -144,6 +144,10 @@ class DiagKDN(SlotCache, nn.Module):
         state: dict[str, torch.Tensor] | None = None,
         cu_seqlens: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """``x [B, T, D]`` -> ``(y [B, T, D], state)``, continuing ``state`` (None: zero
+        memory and the learned prior precision) as the class docstring says; without
+        gradients up to 8 tokens run the decode kernels (:func:`kdn_compile.diag_kdn_decode`),
+        otherwise :func:`kdn_compile.diag_kdn`. A server's slot pools use :meth:`step`."""
         conv_cache = None if state is None else state["conv"]
         q, k, v, conv_cache = convolved_qkv(self, x, conv_cache, cu_seqlens, self.num_heads)
         q, k, log_alpha, omega, r, prior = self.mixer_inputs(x, q, k, v)
