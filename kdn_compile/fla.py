@@ -163,9 +163,13 @@ def _check_safe_gate(safe_gate, use_gate_in_kernel, lower_bound) -> None:
     check_flag("safe_gate", safe_gate)
     if safe_gate and use_gate_in_kernel:
         if lower_bound is None:
-            raise ValueError("lower_bound must be set when safe_gate=True and use_gate_in_kernel=True")
+            raise ValueError(
+                "lower_bound must be set when safe_gate=True and use_gate_in_kernel=True"
+            )
         if not -5 <= lower_bound < 0:
-            raise ValueError(f"lower_bound must be in [-5, 0) with safe_gate=True, got {lower_bound}")
+            raise ValueError(
+                f"lower_bound must be in [-5, 0) with safe_gate=True, got {lower_bound}"
+            )
 
 
 def _finish(o, final_state, output_final_state):
@@ -283,9 +287,10 @@ def fused_recurrent_gated_delta_rule(
     channel (``gk``), or both (their sum).
 
     Args:
-        q, k, v, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
-            use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first, cu_seqlens:
-            as :func:`chunk_gated_delta_rule`.
+        q, k, v, scale, initial_state, state_v_first, cu_seqlens: as
+            :func:`chunk_gated_delta_rule`.
+        output_final_state, use_qk_l2norm_in_kernel: as :func:`chunk_gated_delta_rule`.
+        use_beta_sigmoid_in_kernel, allow_neg_eigval: as :func:`chunk_gated_delta_rule`.
         g: ``[B, T, HV]`` natural-log decay, or ``None`` (no decay); with
             ``use_gate_in_kernel=True`` the raw input of
             ``-exp(A_log) * softplus(g + dt_bias)`` (``A_log, dt_bias [HV]``).
@@ -365,9 +370,11 @@ def chunk_kda(
     ``S_t = (I - beta_t k_t k_t^T) diag(exp(g_t)) S_{t-1} + beta_t k_t v_t^T``.
 
     Args:
-        q, k, v, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
-            use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first, cu_seqlens,
-            cu_seqlens_cpu: as :func:`chunk_gated_delta_rule`.
+        q, k, v, beta, scale, initial_state, state_v_first: as
+            :func:`chunk_gated_delta_rule`.
+        cu_seqlens, cu_seqlens_cpu, output_final_state: as :func:`chunk_gated_delta_rule`.
+        use_qk_l2norm_in_kernel: as :func:`chunk_gated_delta_rule`.
+        use_beta_sigmoid_in_kernel, allow_neg_eigval: as :func:`chunk_gated_delta_rule`.
         g: ``[B, T, HV, K]`` natural-log decay per key channel (``<= 0``); with
             ``use_gate_in_kernel=True`` the raw gate input.
         use_gate_in_kernel: ``g = -exp(A_log) * softplus(g + dt_bias)`` with ``A_log
@@ -439,10 +446,12 @@ def fused_recurrent_kda(
     token by token (the decode path).
 
     Args:
-        q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state,
-            use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
-            allow_neg_eigval, lower_bound, state_v_first, cu_seqlens: as
-            :func:`chunk_kda` (``dt_bias`` is ``[HV * K]``, as FLA's kernel reads it).
+        q, k, v, g, beta, scale, initial_state, state_v_first, cu_seqlens: as
+            :func:`chunk_kda`.
+        output_final_state, use_qk_l2norm_in_kernel: as :func:`chunk_kda`.
+        use_gate_in_kernel, A_log, lower_bound: as :func:`chunk_kda`.
+        dt_bias: ``[HV * K]`` (as FLA's kernel reads it; its docstring says ``[HV]``).
+        use_beta_sigmoid_in_kernel, allow_neg_eigval: as :func:`chunk_kda`.
 
     Returns:
         ``(o, final_state)`` as :func:`chunk_gated_delta_rule`.

@@ -108,7 +108,8 @@ def expected_preprocessing(x, flags, params, *, per_key, lower_bound=None):
     if flags.get("use_beta_sigmoid_in_kernel"):
         beta = torch.sigmoid(beta) * (2 if flags.get("allow_neg_eigval") else 1)
     if flags.get("use_gate_in_kernel"):
-        A_log, dt_bias = flags.get("A_log", params["A_log"]), flags.get("dt_bias", params["dt_bias"])
+        A_log = flags.get("A_log", params["A_log"])
+        dt_bias = flags.get("dt_bias", params["dt_bias"])
         shape = (HV, K) if per_key else (HV,)
         a = g + (0 if dt_bias is None else dt_bias.view(shape))
         if lower_bound is None:
