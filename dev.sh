@@ -4,7 +4,7 @@
 #   ./dev.sh demo [flags]     train the demo language model (kdn-compile demo)
 #   ./dev.sh test [pytest..]  run the test suite
 #   ./dev.sh docs             build the Sphinx docs with warnings as errors
-#   ./dev.sh check            capture report of every op on this device
+#   ./dev.sh check            capture report of the public functions on this device
 #
 # Set-up: a virtual environment in .venv, made by the interpreter that starts
 # ./dev.sh (`python3`, or $PYTHON). Where that interpreter already has torch >= 2.11

@@ -16,7 +16,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     commands = parser.add_subparsers(dest="command", required=True)
     demo.add_arguments(commands.add_parser("demo", help="train a small character LM and report"))
-    capture_report.add_arguments(commands.add_parser("check", help="capture report for every kdn op"))
+    capture_report.add_arguments(commands.add_parser("check", help="capture report of the public functions"))
     bench.add_arguments(commands.add_parser(
         "bench", help="time the ops and layers on a CUDA GPU, optionally against FLA"))
     args = parser.parse_args(argv)

@@ -1,4 +1,5 @@
-"""``kdn-compile check``: a capture report for every public op on this device.
+"""``kdn-compile check``: a capture report of the training and token-recurrence functions on
+this device (the serving ops of :mod:`kdn_compile.serving` are covered by the tests).
 
 For each public function it records which ``torch.ops.kdn`` op actually runs
 (backend switch and device decide), runs ``torch.library.opcheck`` on that op,
