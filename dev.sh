@@ -19,8 +19,10 @@ cd "$(dirname "$0")"
 
 TORCH_PIN="torch==2.13.0"
 TRITON_PIN="triton==3.9.0"
+# transformers: its own dependencies come with it (torch is not one of them).
 # setuptools: the editable install runs without build isolation, and a Python 3.12+ venv has none.
-EXTRA_PINS=("setuptools==84.2.1" "pytest==9.2.0" "expecttest==0.3.0" "sphinx==9.0.4" "myst-parser==5.2.0" "tqdm==4.70.1" "numpy")
+EXTRA_PINS=("setuptools==84.2.1" "pytest==9.2.0" "expecttest==0.3.0" "sphinx==9.0.4" "myst-parser==5.2.0" "tqdm==4.70.1" "numpy"
+            "transformers==5.17.0")
 
 # The directories that hold the starting interpreter's packages (torch's first).
 OUTER_SITE='import os, site, sys, torch

@@ -1,0 +1,2 @@
+"""Integrations with other libraries' models. Each submodule imports its library
+only when called, so ``import kdn_compile`` never imports them."""

@@ -1,0 +1,156 @@
+"""Hugging Face transformers' Qwen3-Next and Kimi Linear models on kdn ops.
+
+:func:`use_kdn` routes the recurrence of every Gated DeltaNet layer of Qwen3-Next
+(``Qwen3NextGatedDeltaNet``) and every Kimi Delta Attention layer of Kimi Linear
+(``KimiLinearDeltaAttention``) through :mod:`kdn_compile.fla`'s drop-ins for FLA.
+transformers calls FLA's ``chunk_gated_delta_rule`` / ``fused_recurrent_gated_delta_rule``
+/ ``chunk_kda`` / ``fused_recurrent_kda`` when FLA is installed and PyTorch loops
+otherwise; after :func:`use_kdn` these layers call kdn ops instead, in eager mode,
+under ``torch.compile(fullgraph=True)`` and under ``torch.export``. The rest of each
+layer (projections, convolution, gated norm, transformers' cache updates) is
+transformers' own code, unchanged.
+
+Tested with transformers 5.17.0 (the version the ``test`` extra pins).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import sys
+import types
+
+import torch
+
+from kdn_compile import fla
+
+__all__ = ["use_kdn", "LAYERS"]
+
+LAYERS = {
+    ("transformers.models.qwen3_next.modeling_qwen3_next", "Qwen3NextGatedDeltaNet"): {
+        "torch_chunk_gated_delta_rule": fla.chunk_gated_delta_rule,
+        "torch_recurrent_gated_delta_rule": fla.fused_recurrent_gated_delta_rule,
+    },
+    ("transformers.models.kimi_linear.modeling_kimi_linear", "KimiLinearDeltaAttention"): {
+        "chunk_kimi_delta_attention": fla.chunk_kda,
+        "recurrent_kimi_delta_attention": fla.fused_recurrent_kda,
+    },
+}
+"""The layers :func:`use_kdn` routes: ``(module, class)`` to the functions its
+``forward`` calls by global name and the :mod:`kdn_compile.fla` function each becomes."""
+
+_MARK = "__kdn_compile__"
+_forwards: dict[type, types.FunctionType] = {}
+
+
+def _taking_own_arguments(function):
+    """``function`` called with only the keyword arguments it names, as transformers'
+    FLA fallback calls FLA (the layers pass all of their ``**kwargs`` on)."""
+    names = frozenset(name for name, p in inspect.signature(function).parameters.items()
+                      if p.kind is not inspect.Parameter.VAR_KEYWORD)
+
+    @functools.wraps(function)
+    def call(*args, **kwargs):
+        return function(*args, **{k: v for k, v in kwargs.items() if k in names})
+
+    return call
+
+
+def _with_globals(function, replacements: dict, where: str):
+    """A copy of ``function`` whose global names in ``replacements`` resolve to their
+    values; decorators made with ``functools.wraps`` are copied around the new one."""
+    inner = getattr(function, "__wrapped__", None)
+    if inner is not None:
+        new_inner = _with_globals(inner, replacements, where)
+        cells = function.__closure__ or ()
+        if not any(cell.cell_contents is inner for cell in cells):
+            raise RuntimeError(f"use_kdn cannot route {where}: a decorator of its forward does not "
+                               "hold the function it wraps; transformers 5.17.0 is tested")
+        closure = tuple(types.CellType(new_inner) if cell.cell_contents is inner else cell
+                        for cell in cells)
+        new = types.FunctionType(function.__code__, function.__globals__, function.__name__,
+                                 function.__defaults__, closure)
+    else:
+        missing = sorted(set(replacements) - set(function.__code__.co_names))
+        if missing:
+            raise RuntimeError(f"use_kdn cannot route {where}: its forward no longer calls {missing}; "
+                               "transformers 5.17.0 is tested")
+        # Without "__name__", torch.compile guards these globals in this dictionary, not
+        # on the module, where the names still hold transformers' own functions.
+        namespace = {k: v for k, v in function.__globals__.items() if k != "__name__"}
+        namespace.update({name: _taking_own_arguments(fn) for name, fn in replacements.items()})
+        new = types.FunctionType(function.__code__, namespace, function.__name__,
+                                 function.__defaults__, function.__closure__)
+    functools.update_wrapper(new, function)
+    new.__kwdefaults__ = function.__kwdefaults__
+    if inner is not None:
+        new.__wrapped__ = new_inner
+    return new
+
+
+def _kdn_forward(cls: type, replacements: dict) -> types.FunctionType:
+    if cls not in _forwards:
+        forward = _with_globals(cls.forward, replacements, f"{cls.__module__}.{cls.__qualname__}")
+        setattr(forward, _MARK, True)
+        _forwards[cls] = forward
+    return _forwards[cls]
+
+
+def use_kdn(model: torch.nn.Module) -> torch.nn.Module:
+    """Route every Qwen3-Next Gated DeltaNet and Kimi Linear KDA layer of ``model``
+    through kdn ops.
+
+    Each such layer's ``forward`` becomes transformers' own ``forward`` calling
+    :func:`kdn_compile.fla.chunk_gated_delta_rule` and
+    :func:`~kdn_compile.fla.fused_recurrent_gated_delta_rule` (Qwen3-Next) or
+    :func:`~kdn_compile.fla.chunk_kda` and :func:`~kdn_compile.fla.fused_recurrent_kda`
+    (Kimi Linear) where it would call FLA or its PyTorch fallback: prefill, decoding
+    with transformers' cache and ``cu_seqlens`` passed by transformers go through kdn
+    ops. Only the matched layer instances change (no global state); other modules
+    and layers, including subclasses of these layers, are left as they are. Calling
+    it again changes nothing. Importing :mod:`kdn_compile` does not import transformers.
+
+    Tested with transformers 5.17.0.
+
+    Args:
+        model (torch.nn.Module): a transformers model (or any module) holding
+            ``Qwen3NextGatedDeltaNet`` or ``KimiLinearDeltaAttention`` layers.
+
+    Returns:
+        torch.nn.Module: ``model`` itself.
+
+    Raises:
+        ValueError: ``model`` holds none of these layers.
+        RuntimeError: the installed transformers' layer no longer calls the functions
+            named in :data:`LAYERS`.
+
+    Example::
+
+        from transformers import AutoModelForCausalLM
+        from kdn_compile.integrations.transformers import use_kdn
+
+        model = use_kdn(AutoModelForCausalLM.from_pretrained("Qwen/Qwen3-Next-80B-A3B-Instruct"))
+        model = torch.compile(model, fullgraph=True)
+    """
+    classes = {}
+    for (module_name, class_name), replacements in LAYERS.items():
+        # A layer can only exist once its modeling module is imported.
+        module = sys.modules.get(module_name)
+        cls = getattr(module, class_name, None) if module is not None else None
+        if cls is not None:
+            classes[cls] = replacements
+    found = 0
+    for layer in model.modules():
+        replacements = classes.get(type(layer))
+        if replacements is None:
+            continue
+        found += 1
+        current = layer.__dict__.get("forward")
+        if current is not None and getattr(current.__func__, _MARK, False):
+            continue
+        layer.forward = types.MethodType(_kdn_forward(type(layer), replacements), layer)
+    if not found:
+        searched = ", ".join(f"{m}.{c}" for m, c in LAYERS)
+        raise ValueError(f"use_kdn found no layer to route in {type(model).__name__}: it looks "
+                         f"for {searched}")
+    return model

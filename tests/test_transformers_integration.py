@@ -1,0 +1,131 @@
+"""kdn_compile.integrations.transformers.use_kdn on tiny random Qwen3-Next and
+Kimi Linear models: the same logits, gradients and greedy tokens as transformers'
+own PyTorch path, a training step compiled with fullgraph=True, and export."""
+
+import copy
+import subprocess
+import sys
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers", reason="transformers is not installed (test extra)")
+
+from kdn_compile.integrations.transformers import use_kdn  # noqa: E402
+
+VOCAB = 97
+
+
+def qwen3_next():
+    config = transformers.Qwen3NextConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+        linear_value_head_dim=8, layer_types=["linear_attention", "full_attention"],
+        num_experts=0, pad_token_id=0, bos_token_id=1, eos_token_id=None)
+    return transformers.Qwen3NextForCausalLM(config)
+
+
+def kimi_linear():
+    config = transformers.KimiLinearConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=16, q_lora_rank=None,
+        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+        linear_head_dim=16, linear_num_heads=2,
+        layer_types=["linear_attention", "full_attention"], mlp_layer_types=["dense", "dense"],
+        pad_token_id=0, bos_token_id=1, eos_token_id=None)
+    return transformers.KimiLinearForCausalLM(config)
+
+
+MODELS = {"qwen3_next": qwen3_next, "kimi_linear": kimi_linear}
+LINEAR_LAYER = {"qwen3_next": "Qwen3NextGatedDeltaNet", "kimi_linear": "KimiLinearDeltaAttention"}
+
+
+def build(name):
+    torch.manual_seed(0)
+    model = MODELS[name]().float().eval()
+    return model, use_kdn(copy.deepcopy(model))
+
+
+def linear_layers(model, name):
+    return [m for m in model.modules() if type(m).__name__ == LINEAR_LAYER[name]]
+
+
+def tokens(batch=2, length=37, seed=1):
+    return torch.randint(2, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def test_import_does_not_import_transformers():
+    code = ("import sys, kdn_compile, kdn_compile.fla, kdn_compile.integrations.transformers; "
+            "sys.exit('transformers' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_routes_only_linear_layers_and_is_idempotent(name):
+    model, kdn = build(name)
+    patched = [m for m in kdn.modules() if "forward" in m.__dict__]
+    assert patched == linear_layers(kdn, name) and patched
+    forwards = [m.forward for m in patched]
+    assert use_kdn(kdn) is kdn
+    assert [m.forward for m in patched] == forwards
+    assert not [m for m in model.modules() if "forward" in m.__dict__]
+
+
+def test_no_such_layer_is_an_error():
+    with pytest.raises(ValueError, match="no layer to route in Linear.*Qwen3NextGatedDeltaNet.*"
+                                         "KimiLinearDeltaAttention"):
+        use_kdn(torch.nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_logits_equal_transformers(name):
+    model, kdn = build(name)
+    ids = tokens()
+    with torch.no_grad():
+        expected = model(ids).logits
+        got = kdn(ids).logits
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_greedy_generate_equals_transformers(name):
+    model, kdn = build(name)
+    ids = tokens(batch=2, length=11, seed=2)
+    kwargs = dict(max_new_tokens=20, do_sample=False, min_new_tokens=20)
+    expected = model.generate(ids, **kwargs)
+    got = kdn.generate(ids, **kwargs)
+    assert got.shape == (2, 31)
+    assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_compiled_training_step_fullgraph(name):
+    model, kdn = build(name)
+    model.train(), kdn.train()
+    ids = tokens(length=29, seed=3)
+    compiled = torch.compile(kdn, fullgraph=True, backend="aot_eager")
+    torch._dynamo.reset()
+    compiled(ids, labels=ids, use_cache=False).loss.backward()
+    model(ids, labels=ids, use_cache=False).loss.backward()
+    for (p_name, p), q in zip(model.named_parameters(), kdn.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-5, msg=lambda m: f"{p_name}: {m}")
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_export_linear_layer_keeps_kdn_ops(name):
+    model, kdn = build(name)
+    layer, reference = linear_layers(kdn, name)[0], linear_layers(model, name)[0]
+    hidden = torch.randn(2, 24, 32)
+    length = torch.export.Dim("T", min=2, max=512)
+    program = torch.export.export(layer, (hidden,), dynamic_shapes=({1: length},))
+    ops = sorted({str(n.target) for n in program.graph.nodes
+                  if n.op == "call_function" and str(n.target).startswith("kdn.")})
+    assert ops == EXPORTED_OPS[name]
+    other = torch.randn(2, 45, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(program.module()(other), reference(other), rtol=1e-4, atol=1e-5)
+
+
+EXPORTED_OPS = {"qwen3_next": ["kdn.chunk_gdn_reference.default"],
+                "kimi_linear": ["kdn.chunk_kda_reference.default"]}
