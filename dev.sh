@@ -2,7 +2,7 @@
 # kdn_compile's one entry point: sets everything up (idempotent), then runs a task.
 #
 #   ./dev.sh demo [flags]     train the demo language model (kdn-compile demo)
-#   ./dev.sh test [pytest..]  run the test suite
+#   ./dev.sh test [pytest..]  run the test suite (installs transformers for its integration tests)
 #   ./dev.sh docs             build the Sphinx docs with warnings as errors
 #   ./dev.sh check            capture report of the public functions on this device
 #
@@ -19,10 +19,11 @@ cd "$(dirname "$0")"
 
 TORCH_PIN="torch==2.13.0"
 TRITON_PIN="triton==3.9.0"
-# transformers: its own dependencies come with it (torch is not one of them).
 # setuptools: the editable install runs without build isolation, and a Python 3.12+ venv has none.
-EXTRA_PINS=("setuptools==84.2.1" "pytest==9.2.0" "expecttest==0.3.0" "sphinx==9.0.4" "myst-parser==5.2.0" "tqdm==4.70.1" "numpy"
-            "transformers==5.17.0")
+EXTRA_PINS=("setuptools==84.2.1" "pytest==9.2.0" "expecttest==0.3.0" "sphinx==9.0.4" "myst-parser==5.2.0" "tqdm==4.70.1" "numpy")
+# For the tests only (the transformers integration): its own dependencies come with it,
+# torch is not one of them.
+TEST_PINS=("transformers==5.17.0")
 
 # The directories that hold the starting interpreter's packages (torch's first).
 OUTER_SITE='import os, site, sys, torch
@@ -30,6 +31,19 @@ dirs = [os.path.dirname(os.path.dirname(torch.__file__))] + site.getsitepackages
 if site.ENABLE_USER_SITE:
     dirs.append(site.getusersitepackages())
 print("\n".join(dict.fromkeys(d for d in dirs if os.path.isdir(d))))'
+
+install_missing() {
+    local pip=(python -m pip install -q --disable-pip-version-check)
+    for pin in "$@"; do
+        module=${pin%%==*}
+        module=${module//-/_}
+        # an older setuptools (a venv's own) cannot build the editable install's wheel
+        [ "$module" = setuptools ] && module=setuptools.command.bdist_wheel
+        if ! python -c "import $module" 2>/dev/null; then
+            "${pip[@]}" "$pin" || echo "dev.sh: could not install $pin (offline?); continuing" >&2
+        fi
+    done
+}
 
 setup() {
     local torch_ok='import sys, torch; sys.exit(tuple(map(int, torch.__version__.split("+")[0].split(".")[:2])) < (2, 11))'
@@ -51,15 +65,7 @@ setup() {
     if [ "$(uname -s)" = Linux ] && ! python -c 'import triton' 2>/dev/null; then
         "${pip[@]}" "$TRITON_PIN"
     fi
-    for pin in "${EXTRA_PINS[@]}"; do
-        module=${pin%%==*}
-        module=${module//-/_}
-        # an older setuptools (a venv's own) cannot build the editable install's wheel
-        [ "$module" = setuptools ] && module=setuptools.command.bdist_wheel
-        if ! python -c "import $module" 2>/dev/null; then
-            "${pip[@]}" "$pin" || echo "dev.sh: could not install $pin (offline?); continuing" >&2
-        fi
-    done
+    install_missing "${EXTRA_PINS[@]}"
     # The console script is the mark of the editable install (importing from the
     # checkout would succeed without it).
     if [ ! -x .venv/bin/kdn-compile ]; then
@@ -72,7 +78,7 @@ task=${1:-}
 case "$task" in
     demo)  setup; exec kdn-compile demo "$@" ;;
     check) setup; exec kdn-compile check "$@" ;;
-    test)  setup; exec python -m pytest tests "$@" ;;
+    test)  setup; install_missing "${TEST_PINS[@]}"; exec python -m pytest tests "$@" ;;
     docs)  setup; exec python -m sphinx -W --keep-going -b html docs docs/_build/html "$@" ;;
     *)     sed -n '2,8p' "$0"; exit 2 ;;
 esac
