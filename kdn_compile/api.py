@@ -24,7 +24,7 @@ from kdn_compile._checks import (
     check_kdn_inputs,
     check_tensor,
 )
-from kdn_compile.ops.decode import eager_cuda
+from kdn_compile.ops._dispatch import eager_cuda
 from kdn_compile.ops.recurrent import recurrent_delta_rule_body
 from kdn_compile.reference.kdn import DEFAULT_CHUNK_SIZE
 

@@ -37,6 +37,8 @@ from kdn_compile._checks import check_flag, check_tensor
 from kdn_compile.api import chunk_gdn as _chunk_gdn
 from kdn_compile.api import chunk_kda as _chunk_kda
 from kdn_compile.api import recurrent_delta_rule as _recurrent_delta_rule
+from kdn_compile.layers._common import l2_normalize
+from kdn_compile.reference._common import work_dtype
 
 __all__ = [
     "chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", "chunk_kda",
@@ -69,15 +71,11 @@ def _non_default(**given) -> dict:
     return {name: value for name, (value, default) in given.items() if value is not default}
 
 
-def _compute_dtype(x: torch.Tensor) -> torch.dtype:
-    return torch.promote_types(x.dtype, torch.float32)
-
-
 def l2norm(x: torch.Tensor) -> torch.Tensor:
     """FLA's L2 normalization along the last dim, ``x / sqrt(sum(x**2) + 1e-6)``, in
-    float32 (float64 for float64 ``x``), returned in ``x``'s dtype."""
-    y = x.to(_compute_dtype(x))
-    return (y * torch.rsqrt(y.square().sum(-1, keepdim=True) + L2NORM_EPS)).to(x.dtype)
+    float32 (float64 for float64 ``x``), returned in ``x``'s dtype (the layers' own).
+    Source: FLA's ``fla.modules.l2norm`` (``eps = 1e-6``)."""
+    return l2_normalize(x, L2NORM_EPS)
 
 
 def _prepare_qk_beta(q, k, beta, output_final_state, use_qk_l2norm_in_kernel,
@@ -108,17 +106,23 @@ def _head_params(name: str, x, size: int, shape: str, g: torch.Tensor) -> torch.
             f"{name} must have {size} elements ({shape}) on {g.device}, got shape "
             f"{tuple(x.shape)} on {x.device}"
         )
-    return x.to(_compute_dtype(g))
+    return x.to(work_dtype(g.dtype))
 
 
 def gdn_gate(g: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor | None = None):
     """GDN's decay from raw gate inputs ``g [B, T, Hv]``:
     ``-exp(A_log) * softplus(g + dt_bias)`` with ``A_log, dt_bias [Hv]``, natural log,
-    in float32 (float64 for float64 ``g``)."""
+    in float32 (float64 for float64 ``g``).
+
+    Raises:
+        TypeError, ValueError: ``A_log`` / ``dt_bias`` not float tensors of ``Hv`` elements
+            on ``g``'s device.
+
+    Source: FLA's in-kernel gate of ``chunk_gated_delta_rule(use_gate_in_kernel=True)``."""
     hv = g.shape[-1]
     A_log = _head_params("A_log", A_log, hv, "[Hv]", g)
     dt_bias = _head_params("dt_bias", dt_bias, hv, "[Hv]", g)
-    x = g.to(_compute_dtype(g))
+    x = g.to(work_dtype(g.dtype))
     if dt_bias is not None:
         x = x + dt_bias.reshape(hv)
     return -A_log.reshape(hv).exp() * F.softplus(x)
@@ -130,11 +134,17 @@ def kda_gate(g: torch.Tensor, A_log: torch.Tensor | None, dt_bias: torch.Tensor 
     (float64 for float64 ``g``), with ``A_log [Hv]`` and ``dt_bias [Hv * K]``:
     ``-exp(A_log) * softplus(g + dt_bias)``, or with ``lower_bound``
     ``lower_bound * sigmoid(exp(A_log) * (g + dt_bias))`` (``A_log`` may then be ``None``:
-    ``lower_bound * sigmoid(g + dt_bias)``)."""
+    ``lower_bound * sigmoid(g + dt_bias)``).
+
+    Raises:
+        TypeError, ValueError: ``A_log`` (``Hv`` elements) or ``dt_bias`` (``Hv * K``) not
+            float tensors of that size on ``g``'s device.
+
+    Source: FLA's ``fla.ops.kda.gate`` (``kda_gate_fwd``)."""
     hv, dk = g.shape[-2], g.shape[-1]
     A_log = _head_params("A_log", A_log, hv, "[Hv]", g)
     dt_bias = _head_params("dt_bias", dt_bias, hv * dk, "[Hv * K]", g)
-    x = g.to(_compute_dtype(g))
+    x = g.to(work_dtype(g.dtype))
     if dt_bias is not None:
         x = x + dt_bias.reshape(hv, dk)
     if lower_bound is None:

@@ -23,7 +23,8 @@ import kdn_compile.ops  # noqa: F401  (registers torch.ops.kdn)
 from kdn_compile._backend import prefer_kernels
 from kdn_compile._checks import check_delta_inputs, check_float, check_flag, check_kdn_inputs
 from kdn_compile._checks import check_pool, check_slot_indices
-from kdn_compile.ops.decode import delta_rule_decode_body, diag_kdn_decode_body, eager_cuda
+from kdn_compile.ops._dispatch import eager_cuda
+from kdn_compile.ops.decode import delta_rule_decode_body, diag_kdn_decode_body
 from kdn_compile.reference.pools import POOL_BLOCK_V
 
 __all__ = ["MAX_DECODE_TOKENS", "delta_rule_decode", "diag_kdn_decode"]

@@ -128,7 +128,7 @@ def _recurrent_delta_kernel(
     BK: tl.constexpr, BV: tl.constexpr, NS: tl.constexpr,
     PER_KEY: tl.constexpr, STATE_V_FIRST: tl.constexpr, LOAD: tl.constexpr,
     STORE: tl.constexpr, SLOTS: tl.constexpr, VARLEN: tl.constexpr, INTER: tl.constexpr,
-    CHECK: tl.constexpr, CHECK_BLOCK: tl.constexpr, SOFT_CAST: tl.constexpr,
+    CHECK_BLOCK: tl.constexpr, SOFT_CAST: tl.constexpr,
     WRITE_KEY: tl.constexpr, FLOOR: tl.constexpr,
 ):
     scale = tl.cast(scale, tl.float32)  # Inductor passes Python floats as fp64
@@ -154,7 +154,7 @@ def _recurrent_delta_kernel(
 
     row = i_n.to(tl.int64)
     if SLOTS:
-        if CHECK and (i_nh + i_v == 0):  # one program checks every index
+        if i_nh + i_v == 0:  # one program checks every index
             errors = tl.zeros([CHECK_BLOCK, CHECK_BLOCK], dtype=tl.int32)
             for r0 in range(0, num_rows, CHECK_BLOCK):
                 r_ids = r0 + tl.arange(0, CHECK_BLOCK)
@@ -237,7 +237,7 @@ def _state_kind(state) -> int:
 def recurrent_delta_fwd(
     q, k, v, g, beta, *, scale: float, state_in=None, state_out=None, scales=None,
     indices=None, cu_seqlens=None, intermediate=None, state_v_first: bool = False,
-    write_key=None, gate_floor: float | None = None, check_indices: bool = True,
+    write_key=None, gate_floor: float | None = None,
     block_v: int | None = None, num_warps: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Launch the GDN / KDA token recurrence; returns ``(o, slots_ok)``: ``o`` like ``v``, and
@@ -262,7 +262,6 @@ def recurrent_delta_fwd(
         write_key: ``[B, T, Hv, K]`` float32 write key ``w`` in place of ``beta k``
             (``S += w (v - k^T S)``; ``beta`` unused): Diag-KDN's Kalman gain.
         gate_floor: per-key gates floored at this log decay (Diag-KDN's memory).
-        check_indices: one program compares every index (the flag returned).
         block_v, num_warps: launch configuration (default :func:`decode_config`).
     """
     b, length, hk, dk = q.shape
@@ -273,9 +272,8 @@ def recurrent_delta_fwd(
     tile, warps = block_v or tile, num_warps or warps
     o = torch.empty_like(v)
     slots = state_out.shape[0] if indices is not None else n
-    check = indices is not None and check_indices
     ok = None
-    if check:  # written by the first program; an empty batch launches none
+    if indices is not None:  # written by the first program; an empty batch launches none
         ok = (torch.empty if n > 0 else torch.ones)((), dtype=torch.bool, device=q.device)
     _launch(_recurrent_delta_kernel, (triton.cdiv(dv, tile), n * hv), q)(
         q, k, v, g, beta, write_key, o, state_in, scales, state_out, scales, intermediate,
@@ -285,7 +283,7 @@ def recurrent_delta_fwd(
         NS=triton.cdiv(dv, FP8_BLOCK_V), PER_KEY=g.dim() == 4,
         STATE_V_FIRST=state_v_first, LOAD=_state_kind(state_in), STORE=_state_kind(state_out),
         SLOTS=indices is not None, VARLEN=cu_seqlens is not None,
-        INTER=intermediate is not None, CHECK=check, CHECK_BLOCK=_CHECK_BLOCK,
+        INTER=intermediate is not None, CHECK_BLOCK=_CHECK_BLOCK,
         SOFT_CAST=os.environ.get("TRITON_INTERPRET") == "1", WRITE_KEY=write_key is not None,
         FLOOR=gate_floor is not None, num_warps=warps,
     )
@@ -294,26 +292,15 @@ def recurrent_delta_fwd(
 
 @triton.jit
 def _decode_gain_kernel(
-    k, log_alpha, omega, r, gain, precision, indices, slots_ok,
-    T, num_rows, num_slots, info_scale,
-    H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, CHECK_BLOCK: tl.constexpr,
+    k, log_alpha, omega, r, gain, precision, indices, T, num_slots, info_scale,
+    H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
 ):
     """Diag-KDN's Kalman gains of one decode step, one program per (row, head): ``gain
-    [B, T, H, K]`` and the precision written back to its slot (no other program reads it)."""
+    [B, T, H, K]`` and the precision written back to its slot (no other program reads it).
+    Slots past the pool are skipped; the update that follows checks the indices."""
     info_scale = tl.cast(info_scale, tl.float32)  # fp64 from Inductor
     i_nh = tl.program_id(0)
     i_n, i_h = i_nh // H, i_nh % H
-    if i_nh == 0:  # one program checks every index
-        errors = tl.zeros([CHECK_BLOCK, CHECK_BLOCK], dtype=tl.int32)
-        for r0 in range(0, num_rows, CHECK_BLOCK):
-            r_ids = r0 + tl.arange(0, CHECK_BLOCK)
-            rows = tl.load(indices + r_ids, mask=r_ids < num_rows, other=-1).to(tl.int64)
-            errors += (rows >= num_slots).to(tl.int32)[:, None]
-            for c0 in range(r0, num_rows, CHECK_BLOCK):
-                c_ids = c0 + tl.arange(0, CHECK_BLOCK)
-                cols = tl.load(indices + c_ids, mask=c_ids < num_rows, other=-1)
-                errors += _repeats(rows, r_ids, cols.to(tl.int64), c_ids, c_ids < num_rows)
-        tl.store(slots_ok, tl.sum(tl.sum(errors, axis=1), axis=0) == 0)
     row = tl.load(indices + i_n).to(tl.int64)
     if (row >= 0) & (row < num_slots):  # padding rows: nothing (the update skips them too)
         o_k = tl.arange(0, BK)
@@ -350,16 +337,12 @@ def recurrent_kdn_fwd(
     """
     b, length, h, dk = q.shape
     gain = torch.empty(k.shape, dtype=torch.float32, device=k.device)
-    # written by the first program; an empty batch launches none
-    ok = (torch.empty if b > 0 else torch.ones)((), dtype=torch.bool, device=q.device)
     _launch(_decode_gain_kernel, (b * h,), q)(
-        k, log_alpha, omega, r, gain, precision, indices, ok, length, b, memory.shape[0],
-        info_scale, H=h, K=dk, BK=triton.next_power_of_2(dk), CHECK_BLOCK=_CHECK_BLOCK,
-        num_warps=4,
+        k, log_alpha, omega, r, gain, precision, indices, length, memory.shape[0], info_scale,
+        H=h, K=dk, BK=triton.next_power_of_2(dk), num_warps=4,
     )
-    o, _ = recurrent_delta_fwd(
+    return recurrent_delta_fwd(
         q, k, v, log_alpha, None, scale=scale, state_in=memory, state_out=memory,
-        indices=indices, write_key=gain, gate_floor=log_alpha_floor, check_indices=False,
+        indices=indices, write_key=gain, gate_floor=log_alpha_floor,
         block_v=block_v, num_warps=num_warps,
     )
-    return o, ok

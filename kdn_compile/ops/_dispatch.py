@@ -51,3 +51,18 @@ def can_launch(x: torch.Tensor) -> bool:
         and x.dtype != torch.bfloat16
         and not _tracing(x)
     )
+
+
+def interpreted_ok(q: torch.Tensor, state_dtypes) -> bool:
+    """On the CPU (Triton's interpreter) no bfloat16 state: the interpreter truncates float32
+    to bfloat16 where the GPU rounds to nearest even (triton 3.9)."""
+    return q.device.type != "cpu" or torch.bfloat16 not in state_dtypes
+
+
+def eager_cuda(x: torch.Tensor) -> bool:
+    """True for a plain CUDA tensor outside any tracing or dispatch mode: there a public
+    function may call an op's body (``*_body``) directly, the same code without the
+    dispatcher's host time (most of an eager decode step's). Under ``torch.compile``,
+    export or a dispatch mode the op itself is called."""
+    return (type(x) is torch.Tensor and x.is_cuda and not torch.compiler.is_compiling()
+            and torch._C._len_torch_dispatch_stack() == 0)

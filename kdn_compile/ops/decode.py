@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from kdn_compile._checks import SLOT_ERROR
-from kdn_compile.ops._dispatch import TRITON, can_launch
+from kdn_compile.ops._dispatch import TRITON, can_launch, interpreted_ok
 from kdn_compile.reference.kdn import LOG_MEMORY_ALPHA_FLOOR
 from kdn_compile.reference.pools import delta_rule_decode_reference, diag_kdn_decode_reference
 
@@ -60,11 +60,6 @@ def _delta_kernels(q, v, state_pool, intermediate_states) -> bool:
     )
     return can_launch(q) and recurrent_kernel_supports(q, v, states) and interpreted_ok(q, states)
 
-
-def interpreted_ok(q: Tensor, state_dtypes) -> bool:
-    """On the CPU (Triton's interpreter) no bfloat16 state: the interpreter truncates float32
-    to bfloat16 where the GPU rounds to nearest even (triton 3.9)."""
-    return q.device.type != "cpu" or torch.bfloat16 not in state_dtypes
 
 
 def delta_rule_decode_body(
@@ -144,13 +139,4 @@ def diag_kdn_decode_body(
 
 diag_kdn_decode_op = torch.library.triton_op(
     "kdn::diag_kdn_decode", diag_kdn_decode_body, mutates_args=_KDN_MUTATES)
-
-
-def eager_cuda(x: Tensor) -> bool:
-    """True for a plain CUDA tensor outside any tracing or dispatch mode: there a public
-    function may call an op's body (``*_body``) directly, the same code without the
-    dispatcher's host time (most of an eager decode step's). Under ``torch.compile``,
-    export or a dispatch mode the op itself is called."""
-    return (type(x) is Tensor and x.is_cuda and not torch.compiler.is_compiling()
-            and torch._C._len_torch_dispatch_stack() == 0)
 

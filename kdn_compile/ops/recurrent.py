@@ -17,10 +17,9 @@ import torch
 from torch import Tensor
 
 from kdn_compile import reference as ref
-from kdn_compile.ops._dispatch import TRITON, can_launch
+from kdn_compile.ops._dispatch import TRITON, can_launch, interpreted_ok
 from kdn_compile.ops._registry import FamilyOps
 from kdn_compile.ops._shapes import empty_state
-from kdn_compile.ops.decode import interpreted_ok
 
 if TRITON:  # else every op takes its reference (see _dispatch.TRITON)
     from kdn_compile.lowering.recurrent import recurrent_delta_fwd, recurrent_kernel_supports
