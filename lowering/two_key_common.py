@@ -161,13 +161,6 @@ def state_launch(wide: dict, narrow: dict, value_dim: int, seq_heads, device, *,
     return {**chosen, "num_stages": 1} if dtype == torch.float32 else chosen
 
 
-def num_chunks_bound(batch: int, length: int, num_seqs: int, varlen: bool) -> int:
-    """Upper bound on the number of chunks, from shapes only."""
-    if not varlen:
-        return batch * triton.cdiv(length, BT)
-    return triton.cdiv(length, BT) + num_seqs
-
-
 def chunk_map(
     bounds: torch.Tensor, num_chunks: int
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
-from kdn_compile.lowering._launch import dot_precision
+from kdn_compile.lowering._launch import dot_precision, num_chunks_bound
 from kdn_compile.lowering._tiles import inv_unit_lower
 from kdn_compile.lowering.two_key_common import (
     BC,
@@ -41,7 +41,6 @@ from kdn_compile.lowering.two_key_common import (
     load_rows,
     load_tile,
     load_write_key,
-    num_chunks_bound,
     require_two_key_kernels,
     sequence_bounds,
     state_launch,
@@ -418,7 +417,7 @@ def two_key_fwd(
     dt = compute_dtype(q.dtype)
     prec = dot_precision(q.dtype)
     bounds, num_seqs = sequence_bounds(batch, length, cu_seqlens, q.device)
-    num_chunks = num_chunks_bound(batch, length, num_seqs, cu_seqlens is not None)
+    num_chunks = num_chunks_bound(batch, length, num_seqs, BT, cu_seqlens is not None)
     chunk_seq, chunk_first = chunk_map(bounds, num_chunks)
     tokens = batch * length
     c = q.new_empty((tokens, hv, key_dim), dtype=torch.float32)
