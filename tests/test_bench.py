@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kdn_compile.__main__ import main
-from kdn_compile.bench import FAMILIES, Shape, cli, parse_shapes, report
+from kdn_compile.bench import DEFAULT_OPS, FAMILIES, Shape, cli, parse_shapes, report
 from kdn_compile.bench.timing import CheckFailed, require_close
 
 META = {"gpu": "NVIDIA H200", "torch": "2.11.0", "triton": "3.6.0", "fla": "fla-core 0.6.0",
@@ -45,7 +45,7 @@ def test_shapes_parse_and_reject():
 
 def test_arguments_defaults_and_errors(capsys):
     args = parser().parse_args([])
-    assert args.ops == list(FAMILIES) and args.shapes is None and args.against is None
+    assert args.ops == list(DEFAULT_OPS) and args.shapes is None and args.against is None
     args = parser().parse_args(["--ops", "gdn,layers", "--shapes", "2x64x4", "--against", "fla",
                                 "--out", "x"])
     assert args.ops == ["gdn", "layers"] and args.shapes == [Shape(2, 64, 4)]
@@ -87,6 +87,15 @@ def test_table_has_ratio_peaks_and_gaps():
     assert lines[2] == "| fwd | 8x4096x16 | 2.000 | 2.500 | 0.80 | - |"
     assert lines[3] == "| fwd | 1x32768x16 | 3.000 | 2.000 | 1.50 | - |"
     assert lines[-1] == "| fwd+bwd | 8x4096x16 | 7.000 | - | - | 1185 |"
+
+
+def test_table_counts_graph_breaks():
+    rows = [{"case": "train step", "impl": impl, "ms": ms, "graph_breaks": breaks,
+             "batch": 2, "length": 4096, "heads": 16}
+            for impl, ms, breaks in (("ours", 3.0, 0), ("FLA", 4.0, 6))]
+    lines = report.table(rows).splitlines()
+    assert lines[0].endswith("| ours graph breaks | FLA graph breaks |")
+    assert lines[2] == "| train step | 2x4096x16 | 3.000 | 4.000 | 0.75 | 0 | 6 |"
 
 
 def test_write_json_rows_and_markdown(tmp_path):

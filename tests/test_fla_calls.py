@@ -354,3 +354,36 @@ def test_l2norm_eps_is_fla_s():
     x = torch.full((1, 1, 1, 4), 1e-4, dtype=torch.float64)
     assert math.isclose(float(fla.l2norm(x)[0, 0, 0, 0]), 1e-4 / math.sqrt(4e-8 + 1e-6),
                         rel_tol=1e-12)
+
+
+# ---- the Triton kernels (CUDA) --------------------------------------------------------------
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("fn", ALL)
+def test_cuda_kernels_match_the_token_loop_and_fla(fn):
+    """Head size 64 (the kernels' path), packed sequences and initial states, float32 on
+    CUDA, against the float64 loop; and against FLA's own function where FLA is installed."""
+    per_key = fn in PER_KEY
+    gen = torch.Generator().manual_seed(5)
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
+    t, h, hv, d = 150, 2, 4, 64
+    cu = torch.tensor([0, 40, 41, 150])
+    x = {"q": _l2(r(1, t, h, d)), "k": _l2(r(1, t, h, d)), "v": r(1, t, hv, d),
+         "g": -torch.rand(*((1, t, hv, d) if per_key else (1, t, hv)), generator=gen,
+                          dtype=torch.float64) * 0.2,
+         "beta": torch.rand(1, t, hv, generator=gen, dtype=torch.float64)}
+    h0 = r(3, hv, d, d)
+    expected = oracle(**x, initial_state=h0, cu_seqlens=cu)
+    cuda = {n: a.float().cuda() for n, a in x.items()}
+    call = dict(initial_state=h0.float().cuda(), output_final_state=True,
+                cu_seqlens=cu.cuda())
+    got = getattr(fla, fn)(*_positional(fn, cuda), **call)
+    for a, e, what in zip(got, expected, ("o", "final_state")):
+        assert_close(a.cpu(), e, 1e-4, f"{fn} {what}")
+    fla_ref = pytest.importorskip("fla.ops.kda" if per_key else "fla.ops.gated_delta_rule")
+    # FLA's own call with q and k repeated to the value heads (grouped heads mean exactly that)
+    repeated = dict(cuda, q=cuda["q"].repeat_interleave(hv // h, 2),
+                    k=cuda["k"].repeat_interleave(hv // h, 2))
+    theirs = getattr(fla_ref, fn)(*_positional(fn, repeated), **call)
+    for a, e, what in zip(got, theirs, ("o", "final_state")):
+        assert_close(a, e, 1e-3, f"{fn} {what} against FLA")

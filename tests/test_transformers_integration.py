@@ -1,6 +1,7 @@
 """kdn_compile.integrations.transformers.use_kdn on tiny random Qwen3-Next and
 Kimi Linear models: the same logits, gradients and greedy tokens as transformers'
-own PyTorch path, a training step compiled with fullgraph=True, and export."""
+own PyTorch path, a training step compiled with fullgraph=True, and export. On CPU the
+kdn ops run their references; with CUDA the same tests run again on the Triton kernels."""
 
 import copy
 import subprocess
@@ -38,12 +39,17 @@ def kimi_linear():
 
 
 MODELS = {"qwen3_next": qwen3_next, "kimi_linear": kimi_linear}
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA"))]
+# float32 kernels against transformers' own float32 loops: the kernels' chunked sums round
+# differently from the loops (CPU runs the exact references).
+TOLERANCE = {"cpu": dict(rtol=1e-4, atol=1e-5), "cuda": dict(rtol=1e-3, atol=1e-4)}
 LINEAR_LAYER = {"qwen3_next": "Qwen3NextGatedDeltaNet", "kimi_linear": "KimiLinearDeltaAttention"}
 
 
-def build(name):
+def build(name, device="cpu"):
     torch.manual_seed(0)
-    model = MODELS[name]().float().eval()
+    model = MODELS[name]().float().eval().to(device)
     return model, use_kdn(copy.deepcopy(model))
 
 
@@ -51,8 +57,9 @@ def linear_layers(model, name):
     return [m for m in model.modules() if type(m).__name__ == LINEAR_LAYER[name]]
 
 
-def tokens(batch=2, length=37, seed=1):
-    return torch.randint(2, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+def tokens(batch=2, length=37, seed=1, device="cpu"):
+    ids = torch.randint(2, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+    return ids.to(device)
 
 
 def test_import_does_not_import_transformers():
@@ -78,20 +85,22 @@ def test_no_such_layer_is_an_error():
         use_kdn(torch.nn.Linear(2, 2))
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", MODELS)
-def test_logits_equal_transformers(name):
-    model, kdn = build(name)
-    ids = tokens()
+def test_logits_equal_transformers(name, device):
+    model, kdn = build(name, device)
+    ids = tokens(device=device)
     with torch.no_grad():
         expected = model(ids).logits
         got = kdn(ids).logits
-    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(got, expected, **TOLERANCE[device])
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", MODELS)
-def test_greedy_generate_equals_transformers(name):
-    model, kdn = build(name)
-    ids = tokens(batch=2, length=11, seed=2)
+def test_greedy_generate_equals_transformers(name, device):
+    model, kdn = build(name, device)
+    ids = tokens(batch=2, length=11, seed=2, device=device)
     kwargs = dict(max_new_tokens=20, do_sample=False, min_new_tokens=20)
     expected = model.generate(ids, **kwargs)
     got = kdn.generate(ids, **kwargs)
@@ -99,33 +108,41 @@ def test_greedy_generate_equals_transformers(name):
     assert torch.equal(got, expected)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", MODELS)
-def test_compiled_training_step_fullgraph(name):
-    model, kdn = build(name)
+def test_compiled_training_step_fullgraph(name, device):
+    model, kdn = build(name, device)
     model.train(), kdn.train()
-    ids = tokens(length=29, seed=3)
-    compiled = torch.compile(kdn, fullgraph=True, backend="aot_eager")
+    ids = tokens(length=29, seed=3, device=device)
+    # On CUDA through Inductor, which launches the kernels from its own code.
+    compiled = torch.compile(kdn, fullgraph=True,
+                             backend="inductor" if device == "cuda" else "aot_eager")
     torch._dynamo.reset()
     compiled(ids, labels=ids, use_cache=False).loss.backward()
     model(ids, labels=ids, use_cache=False).loss.backward()
     for (p_name, p), q in zip(model.named_parameters(), kdn.parameters()):
-        torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-5, msg=lambda m: f"{p_name}: {m}")
+        torch.testing.assert_close(q.grad, p.grad, **TOLERANCE[device],
+                                   msg=lambda m: f"{p_name}: {m}")
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", MODELS)
-def test_export_linear_layer_keeps_kdn_ops(name):
-    model, kdn = build(name)
+def test_export_linear_layer_keeps_kdn_ops(name, device):
+    model, kdn = build(name, device)
     layer, reference = linear_layers(kdn, name)[0], linear_layers(model, name)[0]
-    hidden = torch.randn(2, 24, 32)
+    hidden = torch.randn(2, 24, 32, device=device)
     length = torch.export.Dim("T", min=2, max=512)
     program = torch.export.export(layer, (hidden,), dynamic_shapes=({1: length},))
     ops = sorted({str(n.target) for n in program.graph.nodes
                   if n.op == "call_function" and str(n.target).startswith("kdn.")})
-    assert ops == EXPORTED_OPS[name]
-    other = torch.randn(2, 45, 32)
+    assert ops == EXPORTED_OPS[device, name]
+    other = torch.randn(2, 45, 32, device=device)
     with torch.no_grad():
-        torch.testing.assert_close(program.module()(other), reference(other), rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(program.module()(other), reference(other), **TOLERANCE[device])
 
 
-EXPORTED_OPS = {"qwen3_next": ["kdn.chunk_gdn_reference.default"],
-                "kimi_linear": ["kdn.chunk_kda_reference.default"]}
+# Exported on CPU, the layers keep the reference ops; on CUDA the kernels' triton_ops.
+EXPORTED_OPS = {("cpu", "qwen3_next"): ["kdn.chunk_gdn_reference.default"],
+                ("cpu", "kimi_linear"): ["kdn.chunk_kda_reference.default"],
+                ("cuda", "qwen3_next"): ["kdn.chunk_gdn.default"],
+                ("cuda", "kimi_linear"): ["kdn.chunk_kda.default"]}

@@ -7,7 +7,7 @@ import importlib
 import importlib.util
 import sys
 
-from kdn_compile.bench import FAMILIES
+from kdn_compile.bench import DEFAULT_OPS, FAMILIES
 from kdn_compile.bench.timing import CheckFailed, parse_shapes
 
 NO_CUDA = 2  # exit code when the command cannot run here (no CUDA, FLA asked for but absent)
@@ -30,8 +30,9 @@ def _shapes(text: str):
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--ops", type=_ops, default=list(FAMILIES),
-                        help=f"comma-separated op families (default {','.join(FAMILIES)})")
+    parser.add_argument("--ops", type=_ops, default=list(DEFAULT_OPS),
+                        help=f"comma-separated op families out of {','.join(FAMILIES)} "
+                             f"(default {','.join(DEFAULT_OPS)})")
     parser.add_argument("--shapes", type=_shapes, default=None,
                         help="comma-separated BxTxH (batch x length x heads); default: each "
                              "family's own")

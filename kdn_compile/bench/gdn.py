@@ -12,7 +12,8 @@ from kdn_compile.bench.timing import Shape
 from kdn_compile.reference import chunk_gdn_reference
 
 TITLE = "GDN: chunk_gdn vs FLA chunk_gated_delta_rule, K = V = 128, bf16"
-DEFAULT_SHAPES = (Shape(8, 4096, 16), Shape(1, 32768, 16))
+DEFAULT_SHAPES = (Shape(1, 4096, 16), Shape(1, 16384, 16), Shape(1, 32768, 16), Shape(4, 4096, 16),
+                  Shape(8, 4096, 16))  # plots: T at B = 1, B at T = 4096
 
 
 def ours(q, k, v, g, beta, h0, scale):

@@ -15,7 +15,8 @@ from kdn_compile.bench.timing import Shape, relative_error, require_close, time_
 from kdn_compile.reference import diag_kdn_reference
 
 TITLE = "Diag-KDN: diag_kdn, with our chunk_kda as the yardstick, K = V = 128, bf16"
-DEFAULT_SHAPES = (Shape(8, 4096, 16), Shape(1, 32768, 16))
+DEFAULT_SHAPES = (Shape(1, 4096, 16), Shape(1, 16384, 16), Shape(1, 32768, 16), Shape(4, 4096, 16),
+                  Shape(8, 4096, 16))  # plots: T at B = 1, B at T = 4096
 INFO_SCALE = 1.0
 NAMES = ("q", "k", "v", "log_alpha", "omega", "r", "memory", "precision")
 

@@ -14,7 +14,7 @@ import kdn_compile
 from kdn_compile.bench.timing import Shape, median_ms, peak_mib, relative_error, require_close
 
 TITLE = "Layers: ours compiled (fullgraph) and eager vs FLA eager, heads of 128, bf16, fwd+bwd"
-DEFAULT_SHAPES = (Shape(4, 4096, 16),)
+DEFAULT_SHAPES = (Shape(1, 4096, 16), Shape(4, 4096, 16))
 HEAD_DIM = 128
 CHECK_SHAPE = Shape(2, 200, 2)
 TOLERANCE = 3e-2  # a bf16 layer against itself in float64 (measured about 1e-2)

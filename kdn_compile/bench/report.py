@@ -1,7 +1,7 @@
 """Tables, JSON rows and plots of ``kdn-compile bench`` results.
 
 A row is one measurement: ``family``, ``case``, ``impl``, ``batch``, ``length``,
-``heads``, ``ms`` and optionally ``peak_mib``, plus the run's metadata (``gpu``,
+``heads``, ``ms`` and optionally ``peak_mib``, ``GBps`` and ``graph_breaks``, plus the run's metadata (``gpu``,
 ``torch``, ``triton``, ``fla``, ``commit``, ``time``).
 """
 
@@ -25,17 +25,19 @@ def _unique(values):
 def table(rows: Sequence[dict]) -> str:
     """A markdown table of one family's rows: one line per (case, shape), the milliseconds
     of each implementation, ``ours / FLA`` (and of their CUDA-graph replays) where both ran,
-    peak memory and state bandwidth (``GBps``) where measured."""
+    peak memory, state bandwidth (``GBps``) and graph breaks where measured."""
     impls = _unique(r["impl"] for r in rows)
     by_key = {(r["case"], _shape(r), r["impl"]): r for r in rows}
     ratios = [(a, b) for a, b in (("ours", "FLA"), ("ours graph", "FLA graph"))
               if a in impls and b in impls]
     peaks = [i for i in impls if any("peak_mib" in r for r in rows if r["impl"] == i)]
     rates = [i for i in impls if any("GBps" in r for r in rows if r["impl"] == i)]
+    breaks = [i for i in impls if any("graph_breaks" in r for r in rows if r["impl"] == i)]
     header = ["case", "B x T x H", *(f"{i} ms" for i in impls)]
     header += [f"{a} / {b}" for a, b in ratios]
     header += [f"{i} peak MiB" for i in peaks]
     header += [f"{i} GB/s" for i in rates]
+    header += [f"{i} graph breaks" for i in breaks]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for case, shape in _unique((r["case"], _shape(r)) for r in rows):
         got = {i: by_key.get((case, shape, i)) for i in impls}
@@ -47,6 +49,8 @@ def table(rows: Sequence[dict]) -> str:
                   for i in peaks]
         cells += [f"{got[i]['GBps']:.0f}" if got[i] and "GBps" in got[i] else "-"
                   for i in rates]
+        cells += [str(got[i]["graph_breaks"]) if got[i] and "graph_breaks" in got[i] else "-"
+                  for i in breaks]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
