@@ -386,4 +386,5 @@ def test_cuda_kernels_match_the_token_loop_and_fla(fn):
                     k=cuda["k"].repeat_interleave(hv // h, 2))
     theirs = getattr(fla_ref, fn)(*_positional(fn, repeated), **call)
     for a, e, what in zip(got, theirs, ("o", "final_state")):
-        assert_close(a, e, 1e-3, f"{fn} {what} against FLA")
+        # FLA's float32 chunked GDN multiplies in TF32: 1.0e-3 from ours measured on an H200
+        assert_close(a, e, 5e-3, f"{fn} {what} against FLA")

@@ -37,34 +37,31 @@ def model(heads: int, hidden: int = 2048, layers: int = 4, vocab: int = 8192):
         num_hidden_layers=layers, num_attention_heads=hidden // 128, num_key_value_heads=2,
         head_dim=head_dim, linear_num_key_heads=heads, linear_num_value_heads=2 * heads,
         linear_key_head_dim=head_dim, linear_value_head_dim=head_dim,
-        layer_types=["linear_attention", "linear_attention", "linear_attention",
-                     "full_attention"][:layers],
+        layer_types=["full_attention" if i % 4 == 3 or i == layers - 1 else "linear_attention"
+                     for i in range(layers)],
         num_experts=0, pad_token_id=0, bos_token_id=1, eos_token_id=None)
     torch.manual_seed(0)
     return transformers.Qwen3NextForCausalLM(config).cuda()
 
 
 def with_fla(model: torch.nn.Module) -> torch.nn.Module:
-    """``model`` with its Gated DeltaNet layers calling FLA's functions (as transformers
-    does where FLA is its kernel), through the same routing as ``use_kdn``.
+    """``model`` with transformers' Qwen3-Next module calling FLA's functions as its
+    recurrence, as transformers does where FLA is its kernel (a module-wide change: a
+    model routed by ``use_kdn`` keeps kdn ops).
 
     fla-core 0.6.0 refuses its GDN backward on Hopper with Triton < 3.7.1 (a miscompiled
     gated kernel); the refusal is lifted so that it can be timed.
     """
-    import types
-
     import fla.ops.common.chunk_o as chunk_o
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+    from transformers.models.qwen3_next import modeling_qwen3_next
 
-    from kdn_compile.integrations import transformers as routing
+    from kdn_compile.integrations.transformers import _taking_own_arguments
 
     chunk_o.TRITON_ABOVE_3_7_1 = True
-    replacements = {"torch_chunk_gated_delta_rule": chunk_gated_delta_rule,
-                    "torch_recurrent_gated_delta_rule": fused_recurrent_gated_delta_rule}
-    for layer in model.modules():
-        if type(layer).__name__ == "Qwen3NextGatedDeltaNet":
-            forward = routing._with_globals(type(layer).forward, replacements, "FLA")
-            layer.forward = types.MethodType(forward, layer)
+    modeling_qwen3_next.torch_chunk_gated_delta_rule = _taking_own_arguments(chunk_gated_delta_rule)
+    modeling_qwen3_next.torch_recurrent_gated_delta_rule = _taking_own_arguments(
+        fused_recurrent_gated_delta_rule)
     return model
 
 
@@ -88,12 +85,12 @@ def check(against_fla: bool) -> dict[str, float]:
     ours, fla_model = _pair(CHECK_SHAPE.heads, torch.float32, hidden=256, layers=2, vocab=512)
     tokens = _tokens(CHECK_SHAPE, 512)
     with torch.no_grad():
-        logits = ours(tokens).logits
+        logits = ours(tokens, use_cache=False).logits
         if against_fla:
-            expected = fla_model(tokens).logits
+            expected = fla_model(tokens, use_cache=False).logits
         else:
             with kdn_compile.use_backend("reference"):
-                expected = ours.double()(tokens).logits
+                expected = ours.double()(tokens, use_cache=False).logits
     return require_close({"logits": relative_error(logits, expected)}, TOLERANCE, "qwen3next")
 
 
@@ -109,7 +106,7 @@ def measure(shape: Shape, against_fla: bool) -> list[dict]:
     tokens = _tokens(shape, vocab)
 
     def loss_of(m):
-        return lambda t: m(input_ids=t, labels=t).loss
+        return lambda t: m(input_ids=t, labels=t, use_cache=False).loss
 
     impls = {"ours": (torch.compile(loss_of(ours), fullgraph=True), loss_of(ours))}
     if against_fla:
