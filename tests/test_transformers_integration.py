@@ -98,6 +98,26 @@ def test_logits_equal_transformers(name, device):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", MODELS)
+def test_packed_sequences_equal_separate_calls(name, device):
+    """Sequences packed in one row with transformers' ``cu_seq_lens_q`` (an empty one
+    included) give each sequence's own outputs, convolution and recurrence, eager and
+    compiled; transformers' own layer lets the convolution run across the boundaries."""
+    model, kdn = build(name, device)
+    layer, theirs = linear_layers(kdn, name)[0], linear_layers(model, name)[0]
+    hidden = torch.randn(1, 33, 32, device=device)
+    cu = torch.tensor([0, 13, 13, 33], dtype=torch.int32, device=device)
+    with torch.no_grad():
+        separate = torch.cat([layer(hidden[:, :13]), layer(hidden[:, 13:])], 1)
+        torch.testing.assert_close(layer(hidden, cu_seq_lens_q=cu), separate, **TOLERANCE[device])
+        compiled = torch.compile(layer, fullgraph=True, dynamic=True)
+        torch.testing.assert_close(compiled(hidden, cu_seq_lens_q=cu), separate,
+                                   **TOLERANCE[device])
+        assert not torch.allclose(theirs(hidden, cu_seq_lens_q=cu)[:, 13:], separate[:, 13:],
+                                  **TOLERANCE[device])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", MODELS)
 def test_greedy_generate_equals_transformers(name, device):
     model, kdn = build(name, device)
     ids = tokens(batch=2, length=11, seed=2, device=device)

@@ -21,23 +21,76 @@ import sys
 import types
 
 import torch
+import torch.nn.functional as F
 
 from kdn_compile import fla
 
-__all__ = ["use_kdn", "LAYERS"]
+__all__ = ["use_kdn", "LAYERS", "causal_conv1d"]
+
+
+def causal_conv1d(hidden_states: torch.Tensor, weight: torch.Tensor,
+                  bias: torch.Tensor | None = None, activation: str | None = None,
+                  cu_seq_lens_q: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
+    """transformers' PyTorch ``causal_conv1d_fn`` that also respects packed sequences.
+
+    ``y[:, c, t] = act(bias[c] + sum_j weight[c, j] * x[:, c, t - (W - 1) + j])`` with
+    ``W = weight.shape[-1]``; a tap that reaches before the start of its token's sequence
+    reads zero. Packed sequences are named as transformers names them for attention,
+    ``cu_seq_lens_q`` (``[N + 1]`` boundaries, ``B == 1``); without it the whole row is
+    one sequence, as in transformers' own function. Shifted multiply-adds in traced
+    PyTorch, so that it compiles with the model.
+
+    Args:
+        hidden_states: ``[B, C, T]``.
+        weight: ``[C, W]`` depthwise filters.
+        bias: ``[C]`` or None.
+        activation: ``"silu"`` / ``"swish"`` or None.
+        cu_seq_lens_q: packed sequence boundaries, int32 or int64, or None.
+
+    Returns:
+        ``[B, C, T]`` in the dtype of ``hidden_states``.
+
+    Raises:
+        ValueError: ``activation`` is another name.
+    """
+    if activation not in (None, "silu", "swish"):
+        raise ValueError(f"activation must be 'silu', 'swish' or None, got {activation!r}")
+    length, width = hidden_states.shape[-1], weight.shape[-1]
+    x = hidden_states.to(weight.dtype)
+    if cu_seq_lens_q is not None:
+        starts = cu_seq_lens_q.to(device=x.device, dtype=torch.long)
+        steps = torch.arange(length, device=x.device)
+        position = steps - starts[torch.searchsorted(starts[1:], steps, right=True)]
+    y = 0
+    for j in range(width):
+        shift = width - 1 - j
+        tap = F.pad(x, (shift, 0))[..., :length]
+        if cu_seq_lens_q is not None and shift:
+            tap = tap * (position >= shift).to(x.dtype)
+        y = y + tap * weight[:, j, None]
+    if bias is not None:
+        y = y + bias[:, None]
+    if activation is not None:
+        y = F.silu(y)
+    return y.to(hidden_states.dtype)
+
 
 LAYERS = {
     ("transformers.models.qwen3_next.modeling_qwen3_next", "Qwen3NextGatedDeltaNet"): {
         "torch_chunk_gated_delta_rule": fla.chunk_gated_delta_rule,
         "torch_recurrent_gated_delta_rule": fla.fused_recurrent_gated_delta_rule,
+        "causal_conv1d_fn": causal_conv1d,
     },
     ("transformers.models.kimi_linear.modeling_kimi_linear", "KimiLinearDeltaAttention"): {
         "chunk_kimi_delta_attention": fla.chunk_kda,
         "recurrent_kimi_delta_attention": fla.fused_recurrent_kda,
+        "causal_conv1d_fn": causal_conv1d,
     },
 }
 """The layers :func:`use_kdn` routes: ``(module, class)`` to the functions its
-``forward`` calls by global name and the :mod:`kdn_compile.fla` function each becomes."""
+``forward`` calls by global name and the function each becomes: the recurrences
+:mod:`kdn_compile.fla`'s, the prefill convolution :func:`causal_conv1d` (packed
+sequences)."""
 
 _MARK = "__kdn_compile__"
 _forwards: dict[type, types.FunctionType] = {}
@@ -45,12 +98,17 @@ _forwards: dict[type, types.FunctionType] = {}
 
 def _taking_own_arguments(function):
     """``function`` called with only the keyword arguments it names, as transformers'
-    FLA fallback calls FLA (the layers pass all of their ``**kwargs`` on)."""
+    FLA fallback calls FLA (the layers pass all of their ``**kwargs`` on). A function
+    that takes ``cu_seqlens`` and is not given it reads the packed sequences from
+    ``cu_seq_lens_q``, transformers' name for them (Kimi Linear passes only that)."""
     names = frozenset(name for name, p in inspect.signature(function).parameters.items()
                       if p.kind is not inspect.Parameter.VAR_KEYWORD)
+    packs = "cu_seqlens" in names
 
     @functools.wraps(function)
     def call(*args, **kwargs):
+        if packs and kwargs.get("cu_seqlens") is None and "cu_seq_lens_q" in kwargs:
+            kwargs["cu_seqlens"] = kwargs["cu_seq_lens_q"]
         return function(*args, **{k: v for k, v in kwargs.items() if k in names})
 
     return call
@@ -105,8 +163,10 @@ def use_kdn(model: torch.nn.Module) -> torch.nn.Module:
     :func:`~kdn_compile.fla.fused_recurrent_gated_delta_rule` (Qwen3-Next) or
     :func:`~kdn_compile.fla.chunk_kda` and :func:`~kdn_compile.fla.fused_recurrent_kda`
     (Kimi Linear) where it would call FLA or its PyTorch fallback: prefill, decoding
-    with transformers' cache and ``cu_seqlens`` passed by transformers go through kdn
-    ops. Only the matched layer instances change (no global state); other modules
+    with transformers' cache and packed sequences go through kdn ops. Packed sequences
+    arrive as transformers' ``cu_seq_lens_q`` (flash-attention keyword arguments, ``B ==
+    1``); the prefill convolution becomes :func:`causal_conv1d`, which keeps each packed
+    sequence to itself, as the recurrence does. Only the matched layer instances change (no global state); other modules
     and layers, including subclasses of these layers, are left as they are. Calling
     it again changes nothing. Importing :mod:`kdn_compile` does not import transformers.
 
