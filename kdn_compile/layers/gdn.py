@@ -8,7 +8,7 @@ from torch import nn
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 import kdn_compile
-from kdn_compile._checks import check_state, num_sequences
+from kdn_compile._checks import check_state, fail, num_sequences
 from kdn_compile.layers._serving import SlotCache, load_state, store_state, work_dtype
 from kdn_compile.reference.pools import POOL_BLOCK_V
 from kdn_compile.layers._common import (
@@ -99,9 +99,8 @@ class GatedDeltaNet(SlotCache, nn.Module):
         num_v_heads = num_heads if num_v_heads is None else num_v_heads
         head_v_dim = head_dim if head_v_dim is None else head_v_dim
         if num_v_heads % num_heads != 0:
-            raise ValueError(
-                f"num_v_heads ({num_v_heads}) must be a multiple of num_heads ({num_heads})"
-            )
+            fail(ValueError,
+                 f"num_v_heads ({num_v_heads}) must be a multiple of num_heads ({num_heads})")
         self.num_heads, self.head_dim = num_heads, head_dim
         self.num_v_heads, self.head_v_dim = num_v_heads, head_v_dim
         self.chunk_size = chunk_size
