@@ -268,6 +268,18 @@ CASES = [
      r"x must be \[B, T, D\] with D = hidden_size = 16, got shape \(2, 6, 15\)"),
     ("layer-cu-batch", layer("gdn", cu_seqlens=torch.tensor([0, 3, 6])), VE,
      r"with cu_seqlens the batch size must be 1, got B = 2"),
+    ("layer-state-tensor", layer("gdn", state=torch.zeros(2, 3)), TE,
+     r"state must be None or the dict \['conv', 'recurrent'\] that a GatedDeltaNet returns, "
+     r"got Tensor"),
+    ("layer-gdn-state-in-kda", layer("kda", state=lambda own: own.state["gdn"]), VE,
+     r"state was made by GatedDeltaNet\(hidden_size=16, num_heads=2, head_dim=4, num_v_heads=2, "
+     r"head_v_dim=4, conv_size=4\); this layer is KimiDeltaAttention\(hidden_size=16, "),
+    ("layer-kdn-state-in-gdn", layer("gdn", state=lambda own: own.state["kdn"]), VE,
+     r"state was made by DiagKDN\(hidden_size=16, num_heads=2, head_dim=4, head_v_dim=4, "
+     r"conv_size=4\); this layer is GatedDeltaNet\("),
+    ("layer-state-keys", layer("gdn", state=lambda own: dict(own.state["kdn"])), VE,
+     r"state must be the dict \['conv', 'recurrent'\] that a GatedDeltaNet returns, "
+     r"got keys \['conv', 'memory', 'precision'\]"),
     ("layer-state-conv", layer("gdn", x=lambda own: own.x[:1], state=lambda own: own.state["gdn"]),
      VE, r'state\["conv"\] must have shape \(1, 3, 24\), got \(2, 3, 24\)'),
     ("layer-kdn-memory", layer("kdn", state=lambda own: {**own.state["kdn"],
