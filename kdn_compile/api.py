@@ -11,7 +11,10 @@ reference ops under every backend.
 Bad arguments raise ``ValueError`` / ``TypeError`` naming the argument, the expected
 and the received (:class:`~kdn_compile.ArgumentValueError`,
 :class:`~kdn_compile.ArgumentTypeError`), eagerly and out of ``torch.compile`` alike
-(see :doc:`/capture`).
+(see :doc:`/capture`). Gradients are first order: a backward through the gradients
+(``create_graph=True``, then ``backward``) raises ``NotImplementedError`` naming the op;
+the references in :mod:`kdn_compile.reference` are plain PyTorch and differentiate to
+any order.
 """
 
 from __future__ import annotations
@@ -130,6 +133,7 @@ def chunk_gdn(
             ``cu_seqlens``, a non-numeric ``chunk_size``, non-bool flags, a ``scale``
             that is not a number (an int is taken as a float), a ``w_quantizer``
             result that is not a float tensor.
+        NotImplementedError: at a backward through the gradients (double backward).
 
     Source: the chunked WY form of the gated delta rule (Yang et al., Gated Delta
     Networks, 2024), as specified by :func:`kdn_compile.reference.chunk_gdn_reference`.

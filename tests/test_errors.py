@@ -333,3 +333,42 @@ def test_messages_after_an_automatic_dynamic_recompile():
         compiled(**bad, chunk_size=4)
     with pytest.raises(ValueError, match=r"chunk_size must be a positive finite int, got 0"):
         compiled(**delta_inputs(B=2, T=16, Hk=2, Hv=4, K=4, V=3), chunk_size=0)
+
+
+SMALL = {"B": 1, "T": 6, "Hk": 1, "Hv": 1, "K": 4, "V": 3}
+KERNEL_SIZES = {"B": 1, "T": 8, "Hk": 1, "Hv": 1, "K": 16, "V": 16, "dtype": torch.float32}
+DOUBLE_BACKWARD = [  # (op, call, inputs, backend)
+    ("chunk_gdn", lambda x: kdn_compile.chunk_gdn(**x, chunk_size=4), SMALL, "auto"),
+    ("chunk_gdn", lambda x: kdn_compile.chunk_gdn(**x), KERNEL_SIZES, "triton"),
+    ("chunk_kda", lambda x: kdn_compile.chunk_kda(**x, chunk_size=4), dict(SMALL, per_key=True),
+     "auto"),
+    ("recurrent_delta_rule", lambda x: kdn_compile.recurrent_delta_rule(**x), SMALL, "auto"),
+    ("state_fp8_qdq", lambda x: (kdn_compile.state_fp8_qdq(x["initial_state"]),), SMALL, "auto"),
+]
+
+
+@pytest.mark.parametrize("name,call,sizes,backend", DOUBLE_BACKWARD,
+                         ids=[f"{d[0]}-{d[3]}" for d in DOUBLE_BACKWARD])
+def test_double_backward_names_the_op(name, call, sizes, backend):
+    """First-order gradients under ``create_graph=True`` are the usual ones; a backward
+    through them raises NotImplementedError naming the op (the kernels' backward as the
+    reference's)."""
+    x = delta_inputs(**sizes, requires_grad=True)
+    leaves = list(x.values())
+    with kdn_compile.use_backend(backend):
+        plain = torch.autograd.grad(call(x)[0].square().sum(), leaves, allow_unused=True)
+        grads = torch.autograd.grad(call(x)[0].square().sum(), leaves, create_graph=True,
+                                    allow_unused=True)
+    for a, b in zip(plain, grads):
+        assert (a is None and b is None) or torch.equal(a, b)
+    with pytest.raises(NotImplementedError, match=rf"kdn::{name} has no double backward"):
+        sum(g.square().sum() for g in grads if g is not None).backward()
+
+
+def test_double_backward_of_diag_kdn_names_the_op():
+    x = kdn_inputs(B=1, T=6, H=1, K=4, V=3, requires_grad=True)
+    (dv,) = torch.autograd.grad(
+        kdn_compile.diag_kdn(**x, scale=1.0, info_scale=1.0, chunk_size=4)[0].sum(), x["v"],
+        create_graph=True)
+    with pytest.raises(NotImplementedError, match=r"kdn::diag_kdn has no double backward"):
+        dv.sum().backward()
