@@ -1,37 +1,110 @@
 """Argument validation shared by the public functions and the references.
 
-Every check raises ``ValueError`` (shapes, values) or ``TypeError`` (dtypes,
-types) whose message names the argument, what was expected and what arrived.
-Checks read shapes, dtypes and devices only, never tensor values, so they
-trace under ``torch.compile`` without graph breaks or host syncs.
+Every check raises, through :func:`fail`, a ``ValueError`` (shapes, values) or
+``TypeError`` (dtypes, types) whose message names the argument, what was expected
+and what arrived. Checks read shapes, dtypes and devices only, never tensor values,
+so they trace under ``torch.compile`` without graph breaks or host syncs, and their
+messages are built from concrete sizes (:func:`dims`, :func:`shown`) so that they
+read the same eagerly and compiled, static or dynamic shapes alike.
 """
 
 from __future__ import annotations
 
 import math
+import operator
+from typing import NoReturn
 
 import torch
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def _shape(t: torch.Tensor) -> tuple:
-    return tuple(t.shape)
+class ArgumentValueError(ValueError, AssertionError):
+    """A ``ValueError`` of kdn_compile: an argument's shape or value is not the expected one.
+
+    It is an ``AssertionError`` as well so that ``torch.compile`` lets it out unchanged:
+    Dynamo passes an ``AssertionError`` raised while it traces through to the caller,
+    where it reports any other exception as ``torch._dynamo.exc.Unsupported``.
+    """
+
+
+class ArgumentTypeError(TypeError, AssertionError):
+    """A ``TypeError`` of kdn_compile (an argument of the wrong type or dtype); an
+    ``AssertionError`` as well, as :class:`ArgumentValueError`."""
+
+
+class ArgumentRuntimeError(RuntimeError, AssertionError):
+    """A ``RuntimeError`` of kdn_compile (an argument that the call cannot take in the
+    current mode, e.g. one requiring grad in an inference-only step); an
+    ``AssertionError`` as well, as :class:`ArgumentValueError`."""
+
+
+_RAISED = {
+    ValueError: ArgumentValueError,
+    TypeError: ArgumentTypeError,
+    RuntimeError: ArgumentRuntimeError,
+}
+
+
+@torch.compiler.assume_constant_result
+def fail(kind: type, message: str) -> NoReturn:
+    """Raise ``kind`` (``ValueError``, ``TypeError`` or ``RuntimeError``) as the matching
+    ``Argument*Error`` with ``message``.
+
+    Marked with :func:`torch.compiler.assume_constant_result`: Dynamo calls it while
+    tracing (its arguments are constants) instead of tracing its ``raise``, which it
+    would report as a graph break (``Unsupported: Observed exception``, under
+    ``fullgraph=True`` an error that buries the message). Raised from the call, the
+    exception leaves ``torch.compile`` as itself, message first.
+    """
+    raise _RAISED[kind](message)
+
+
+def dims(shape) -> str:
+    """``shape`` as Python prints a tuple, ``(2, 8, 4)``, in concrete sizes.
+
+    Under ``torch.compile`` with dynamic shapes a size is symbolic; ``operator.index``
+    turns it into its value (specializing it, which only the failing path does), so the
+    message shows ``(2, 8, 4)``, never ``(s0, s1, s2)``, and Dynamo never has to trace
+    ``str`` of a tuple, which it cannot.
+    """
+    sizes = [str(operator.index(size)) for size in shape]
+    return "(" + ", ".join(sizes) + ("," if len(sizes) == 1 else "") + ")"
+
+
+def shown(value) -> str:
+    """A received value for a message: an int or float (symbolic or not) as its value
+    (a float to six decimals while compiling), a tensor as its dtype and shape, ``None``,
+    bools and strings as ``repr`` does, anything else by its type."""
+    if isinstance(value, bool) or value is None or isinstance(value, str):
+        return repr(value)
+    if isinstance(value, float):
+        if torch.compiler.is_compiling() and -math.inf < value < math.inf:
+            # Dynamo formats no symbolic float; the floor of an int is one it can read
+            return str(operator.index(math.floor(value * 1e6)) / 1e6)
+        return str(value)
+    if isinstance(value, int):
+        return str(operator.index(value))
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dtype} tensor of shape {dims(value.shape)}"
+    return f"a {type(value).__name__}"
+
+
+def listed(names) -> str:
+    """Strings as Python prints their sorted list, ``['conv', 'recurrent']``."""
+    return "[" + ", ".join(repr(name) for name in sorted(names)) + "]"
 
 
 def check_tensor(name: str, t, *, layout: str | None = None, floating: bool = True) -> None:
     """A tensor, of rank ``len(layout)`` when ``layout`` (e.g. ``"BTHK"``) is given, and a
     float dtype when ``floating``."""
     if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        fail(TypeError, f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if layout is not None and t.dim() != len(layout):
-        raise ValueError(
-            f"{name} must have {len(layout)} dims, [{', '.join(layout)}], got shape {_shape(t)}"
-        )
+        fail(ValueError, f"{name} must have {len(layout)} dims, [{', '.join(layout)}], "
+                         f"got shape {dims(t.shape)}")
     if floating and t.dtype not in _FLOATS:
-        raise TypeError(
-            f"{name} must be float16, bfloat16, float32 or float64, got {t.dtype}"
-        )
+        fail(TypeError, f"{name} must be float16, bfloat16, float32 or float64, got {t.dtype}")
 
 
 def check_same_device(**tensors) -> None:
@@ -40,25 +113,28 @@ def check_same_device(**tensors) -> None:
     first_name, first = next(iter(devices.items()))
     for name, device in devices.items():
         if device != first:
-            raise ValueError(
-                f"{name} is on {device} but {first_name} is on {first}: "
-                "all tensors must share one device"
-            )
+            fail(ValueError, f"{name} is on {device} but {first_name} is on {first}: "
+                             "all tensors must share one device")
+
+
+class _NotChunked:
+    """Type of :data:`NOT_CHUNKED`."""
 
 
 # Default ``chunk_size`` of the input checks: the caller has no chunks (a token loop).
-# A caller's ``chunk_size=None`` is checked like any other value.
-NOT_CHUNKED = object()
+# A caller's ``chunk_size=None`` is checked like any other value. Tested by isinstance,
+# not ``is``: Dynamo (torch 2.11) cannot compare a symbolic int with an object by identity.
+NOT_CHUNKED = _NotChunked()
 
 
 def check_chunk_size(chunk_size) -> None:
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, (int, float)):
-        raise TypeError(f"chunk_size must be a positive int, got {type(chunk_size).__name__}")
-    # math.isfinite only on real floats: an int may be symbolic under torch.compile.
-    if isinstance(chunk_size, float) and not math.isfinite(chunk_size):
-        raise ValueError(f"chunk_size must be a positive finite int, got {chunk_size}")
+        fail(TypeError, f"chunk_size must be a positive int, got {type(chunk_size).__name__}")
+    # comparisons, not math.isfinite: under torch.compile a float argument may be symbolic
+    if isinstance(chunk_size, float) and not -math.inf < chunk_size < math.inf:
+        fail(ValueError, f"chunk_size must be a positive finite int, got {shown(chunk_size)}")
     if chunk_size != int(chunk_size) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be a positive finite int, got {chunk_size}")
+        fail(ValueError, f"chunk_size must be a positive finite int, got {shown(chunk_size)}")
 
 
 def _tracing() -> bool:
@@ -76,10 +152,9 @@ def check_cu_seqlens_values(cu_seqlens: torch.Tensor, length) -> None:
         bounds = cu_seqlens.tolist()
         steps_ok = all(a <= b for a, b in zip(bounds, bounds[1:]))
         if bounds[0] != 0 or bounds[-1] != length or not steps_ok:
-            raise ValueError(
-                f"cu_seqlens must start at 0, never decrease and end at T = {length}, "
-                f"got {bounds if len(bounds) <= 12 else bounds[:6] + ['...'] + bounds[-3:]}"
-            )
+            fail(ValueError,
+                 f"cu_seqlens must start at 0, never decrease and end at T = {length}, "
+                 f"got {bounds if len(bounds) <= 12 else bounds[:6] + ['...'] + bounds[-3:]}")
         return
     valid = (cu_seqlens[0] == 0) & (cu_seqlens[-1] == length) & (cu_seqlens.diff() >= 0).all()
     torch._assert_async(valid, "cu_seqlens must start at 0, never decrease and end at T")
@@ -89,15 +164,16 @@ def check_cu_seqlens(cu_seqlens, batch: int, device: torch.device, length) -> No
     if cu_seqlens is None:
         return
     if not isinstance(cu_seqlens, torch.Tensor):
-        raise TypeError(f"cu_seqlens must be a torch.Tensor, got {type(cu_seqlens).__name__}")
+        fail(TypeError, f"cu_seqlens must be a torch.Tensor, got {type(cu_seqlens).__name__}")
     if cu_seqlens.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"cu_seqlens must be int32 or int64, got {cu_seqlens.dtype}")
+        fail(TypeError, f"cu_seqlens must be int32 or int64, got {cu_seqlens.dtype}")
     if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2:
-        raise ValueError(f"cu_seqlens must be [N + 1] with N >= 1, got shape {_shape(cu_seqlens)}")
+        fail(ValueError, f"cu_seqlens must be [N + 1] with N >= 1, "
+                         f"got shape {dims(cu_seqlens.shape)}")
     if batch != 1:
-        raise ValueError(f"with cu_seqlens the batch size must be 1, got B = {batch}")
+        fail(ValueError, f"with cu_seqlens the batch size must be 1, got B = {shown(batch)}")
     if cu_seqlens.device != device:
-        raise ValueError(f"cu_seqlens is on {cu_seqlens.device} but q is on {device}")
+        fail(ValueError, f"cu_seqlens is on {cu_seqlens.device} but q is on {device}")
     if device.type != "meta":
         check_cu_seqlens_values(cu_seqlens, length)
 
@@ -106,8 +182,8 @@ def check_state(name: str, state, expected: tuple) -> None:
     if state is None:
         return
     check_tensor(name, state)
-    if _shape(state) != tuple(expected):
-        raise ValueError(f"{name} must have shape {tuple(expected)}, got {_shape(state)}")
+    if tuple(state.shape) != tuple(expected):
+        fail(ValueError, f"{name} must have shape {dims(expected)}, got {dims(state.shape)}")
 
 
 def num_sequences(batch: int, cu_seqlens) -> int:
@@ -127,30 +203,32 @@ def check_delta_inputs(
         check_tensor(name, t, layout=layout)
     check_tensor("g", g)
     check_tensor("beta", beta, layout="BTH")
+    if initial_state is not None:
+        check_tensor("initial_state", initial_state)
     check_same_device(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state)
     if k.dtype != q.dtype or v.dtype != q.dtype:
-        raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+        fail(TypeError, f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     b, t, hk, dk = q.shape
     if hk < 1 or dk < 1:
-        raise ValueError(f"q must have at least one head and K >= 1, got shape {_shape(q)}")
-    if _shape(k) != _shape(q):
-        raise ValueError(f"k must have q's shape {_shape(q)} = [B, T, Hk, K], got {_shape(k)}")
+        fail(ValueError, f"q must have at least one head and K >= 1, got shape {dims(q.shape)}")
+    if k.shape != q.shape:
+        fail(ValueError, f"k must have q's shape {dims(q.shape)} = [B, T, Hk, K], "
+                         f"got {dims(k.shape)}")
     if v.shape[0] != b or v.shape[1] != t:
-        raise ValueError(f"v must be [B={b}, T={t}, Hv, V], got {_shape(v)}")
+        fail(ValueError, f"v must be [B={shown(b)}, T={shown(t)}, Hv, V], got {dims(v.shape)}")
     hv, dv = v.shape[2], v.shape[3]
     if hv % hk != 0:
-        raise ValueError(
-            f"the value heads Hv = {hv} (v {_shape(v)}) must be a multiple of "
-            f"the key heads Hk = {hk} (q {_shape(q)})"
-        )
+        fail(ValueError, f"the value heads Hv = {shown(hv)} (v {dims(v.shape)}) must be a "
+                         f"multiple of the key heads Hk = {shown(hk)} (q {dims(q.shape)})")
     scalar, per_key = (b, t, hv), (b, t, hv, dk)
     allowed = {"scalar": [scalar], "per_key": [per_key], "any": [scalar, per_key]}[gate]
-    if _shape(g) not in allowed:
-        expected = " or ".join(str(s) for s in allowed)
-        raise ValueError(f"g must have shape {expected}, got {_shape(g)}")
-    if _shape(beta) != scalar:
-        raise ValueError(f"beta must have shape {scalar} = [B, T, Hv], got {_shape(beta)}")
-    if chunk_size is not NOT_CHUNKED:
+    if tuple(g.shape) not in allowed:
+        expected = " or ".join(dims(s) for s in allowed)
+        fail(ValueError, f"g must have shape {expected}, got {dims(g.shape)}")
+    if tuple(beta.shape) != scalar:
+        fail(ValueError, f"beta must have shape {dims(scalar)} = [B, T, Hv], "
+                         f"got {dims(beta.shape)}")
+    if not isinstance(chunk_size, _NotChunked):
         check_chunk_size(chunk_size)
     check_cu_seqlens(cu_seqlens, b, q.device, t)
     n = num_sequences(b, cu_seqlens)
@@ -174,18 +252,20 @@ def check_kdn_inputs(
         precision=precision,
     )
     if k.dtype != q.dtype or v.dtype != q.dtype:
-        raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+        fail(TypeError, f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     b, t, h, dk = q.shape
     if h < 1 or dk < 1:
-        raise ValueError(f"q must have at least one head and K >= 1, got shape {_shape(q)}")
+        fail(ValueError, f"q must have at least one head and K >= 1, got shape {dims(q.shape)}")
     for name, x in (("k", k), ("log_alpha", log_alpha), ("omega", omega)):
-        if _shape(x) != _shape(q):
-            raise ValueError(f"{name} must have q's shape {_shape(q)} = [B, T, H, K], got {_shape(x)}")
-    if _shape(v)[:3] != (b, t, h):
-        raise ValueError(f"v must be [B={b}, T={t}, H={h}, V], got {_shape(v)}")
-    if _shape(r) != (b, t, h):
-        raise ValueError(f"r must have shape {(b, t, h)} = [B, T, H], got {_shape(r)}")
-    if chunk_size is not NOT_CHUNKED:
+        if x.shape != q.shape:
+            fail(ValueError, f"{name} must have q's shape {dims(q.shape)} = [B, T, H, K], "
+                             f"got {dims(x.shape)}")
+    if tuple(v.shape[:3]) != (b, t, h):
+        fail(ValueError, f"v must be [B={shown(b)}, T={shown(t)}, H={shown(h)}, V], "
+                         f"got {dims(v.shape)}")
+    if tuple(r.shape) != (b, t, h):
+        fail(ValueError, f"r must have shape {dims((b, t, h))} = [B, T, H], got {dims(r.shape)}")
+    if not isinstance(chunk_size, _NotChunked):
         check_chunk_size(chunk_size)
     check_cu_seqlens(cu_seqlens, b, q.device, t)
     n = num_sequences(b, cu_seqlens)
@@ -198,21 +278,22 @@ def check_pool(name: str, pool, layout: str, row_shape: tuple, dtypes: tuple, de
     """A contiguous tensor ``[slots, *row_shape]`` (``layout`` names the dims in messages) of
     one of ``dtypes`` on ``device``; ``slots`` ``None`` takes any count >= 1. Returns the count."""
     if not isinstance(pool, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(pool).__name__}")
+        fail(TypeError, f"{name} must be a torch.Tensor, got {type(pool).__name__}")
     if pool.dtype not in dtypes:
         allowed = ", ".join(str(d).replace("torch.", "") for d in dtypes)
-        raise TypeError(f"{name} must be {allowed}, got {pool.dtype}")
-    expected = ("S" if slots is None else slots,) + tuple(row_shape)
-    if pool.dim() != len(expected) or _shape(pool)[1:] != tuple(row_shape) or (
+        fail(TypeError, f"{name} must be {allowed}, got {pool.dtype}")
+    expected = ("S" if slots is None else shown(slots),) + tuple(shown(n) for n in row_shape)
+    if pool.dim() != len(expected) or tuple(pool.shape[1:]) != tuple(row_shape) or (
         slots is not None and pool.shape[0] != slots
     ):
-        raise ValueError(f"{name} must be {layout} = {expected}, got {_shape(pool)}")
+        fail(ValueError, f"{name} must be {layout} = ({', '.join(expected)}), "
+                         f"got {dims(pool.shape)}")
     if pool.shape[0] < 1:
-        raise ValueError(f"{name} must have at least one slot, got shape {_shape(pool)}")
+        fail(ValueError, f"{name} must have at least one slot, got shape {dims(pool.shape)}")
     if pool.device != device:
-        raise ValueError(f"{name} is on {pool.device} but q is on {device}")
+        fail(ValueError, f"{name} is on {pool.device} but q is on {device}")
     if not pool.is_contiguous():
-        raise ValueError(f"{name} must be contiguous (it is updated in place): call "
+        fail(ValueError, f"{name} must be contiguous (it is updated in place): call "
                          f".contiguous() once when allocating it")
     return pool.shape[0]
 
@@ -221,13 +302,14 @@ def check_slot_indices(indices, batch, slots, device) -> None:
     """``state_indices [B]`` int32/int64 on ``device`` (shape, dtype, device; the values are
     checked by the ops: :func:`check_slot_values`, or in the decode kernels)."""
     if not isinstance(indices, torch.Tensor):
-        raise TypeError(f"state_indices must be a torch.Tensor, got {type(indices).__name__}")
+        fail(TypeError, f"state_indices must be a torch.Tensor, got {type(indices).__name__}")
     if indices.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"state_indices must be int32 or int64, got {indices.dtype}")
-    if _shape(indices) != (batch,):
-        raise ValueError(f"state_indices must be [B] = ({batch},), got {_shape(indices)}")
+        fail(TypeError, f"state_indices must be int32 or int64, got {indices.dtype}")
+    if tuple(indices.shape) != (batch,):
+        fail(ValueError, f"state_indices must be [B] = {dims((batch,))}, "
+                         f"got {dims(indices.shape)}")
     if indices.device != device:
-        raise ValueError(f"state_indices is on {indices.device} but q is on {device}")
+        fail(ValueError, f"state_indices is on {indices.device} but q is on {device}")
 
 
 SLOT_ERROR = "state_indices must be < the pool's slots S and must not repeat a non-negative slot"
@@ -246,14 +328,14 @@ def check_slot_values(indices: torch.Tensor, slots: int) -> None:
 
 def check_flag(name: str, value) -> None:
     if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+        fail(TypeError, f"{name} must be a bool, got {type(value).__name__}")
 
 
 def check_float(name: str, value) -> float:
     """A Python real number as float (not bool, not a tensor)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a float, got {type(value).__name__}")
+        fail(TypeError, f"{name} must be a float, got {type(value).__name__}")
     # not while compiling: dynamo may trace a float as symbolic (math.isfinite breaks it)
     if isinstance(value, float) and not torch.compiler.is_compiling() and not math.isfinite(value):
-        raise ValueError(f"{name} must be finite, got {value}")
+        fail(ValueError, f"{name} must be finite, got {value}")
     return float(value)

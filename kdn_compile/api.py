@@ -7,6 +7,14 @@ switch (:func:`kdn_compile.set_backend`): the Triton kernel op (``kdn::<name>``)
 or the exact reference op (``kdn::<name>_reference``). ``state_fp8_qdq``
 and ``chunk_gdn(..., w_quantizer=...)`` have no kernels yet and run their
 reference ops under every backend.
+
+Bad arguments raise ``ValueError`` / ``TypeError`` naming the argument, the expected
+and the received (:class:`~kdn_compile.ArgumentValueError`,
+:class:`~kdn_compile.ArgumentTypeError`), eagerly and out of ``torch.compile`` alike
+(see :doc:`/capture`). Gradients are first order: a backward through the gradients
+(``create_graph=True``, then ``backward``) raises ``NotImplementedError`` naming the op;
+the references in :mod:`kdn_compile.reference` are plain PyTorch and differentiate to
+any order.
 """
 
 from __future__ import annotations
@@ -23,6 +31,9 @@ from kdn_compile._checks import (
     check_float,
     check_kdn_inputs,
     check_tensor,
+    dims,
+    fail,
+    shown,
 )
 from kdn_compile.ops._dispatch import eager_cuda
 from kdn_compile.ops.recurrent import recurrent_delta_rule_body
@@ -37,7 +48,7 @@ def _scale(scale, q: torch.Tensor) -> float:
     if scale is None:
         return q.shape[-1] ** -0.5
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-        raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
+        fail(TypeError, f"scale must be a float or None, got {type(scale).__name__}")
     return check_float("scale", scale)  # finite (eagerly)
 
 
@@ -49,18 +60,16 @@ def _contiguous(cu_seqlens: torch.Tensor | None) -> torch.Tensor | None:
 def _check_w(w, expected: torch.Tensor) -> None:
     """``w_quantizer`` must hand back a float tensor of ``W``'s shape and device."""
     if not isinstance(w, torch.Tensor) or not w.is_floating_point():
-        raise TypeError(f"w_quantizer must return a float tensor, got {type(w).__name__}"
+        fail(TypeError, f"w_quantizer must return a float tensor, got {type(w).__name__}"
                         + (f" of {w.dtype}" if isinstance(w, torch.Tensor) else ""))
     if w.shape != expected.shape or w.device != expected.device:
-        raise ValueError(
-            f"w_quantizer must return W's shape {tuple(expected.shape)} = [B, T, Hv, K] on "
-            f"{expected.device}, got {tuple(w.shape)} on {w.device}"
-        )
+        fail(ValueError, f"w_quantizer must return W's shape {dims(expected.shape)} = "
+                         f"[B, T, Hv, K] on {expected.device}, got {dims(w.shape)} on {w.device}")
 
 
 def _block_v(block_v, name: str = "state_qdq_block_v") -> int:
     if isinstance(block_v, bool) or not isinstance(block_v, int) or block_v < 1:
-        raise ValueError(f"{name} must be a positive int, got {block_v!r}")
+        fail(ValueError, f"{name} must be a positive int, got {shown(block_v)}")
     return block_v
 
 
@@ -119,10 +128,12 @@ def chunk_gdn(
             a ``chunk_size`` below 1 or not integral, a ``state_qdq_block_v`` that
             is not a positive int, mixed devices, a ``w_quantizer`` result not of
             ``W``'s shape, a NaN or infinite ``scale`` (checked eagerly).
-        TypeError: non-float inputs, mixed q/k/v dtypes, non-integer ``cu_seqlens``,
-            a non-numeric ``chunk_size``, non-bool flags, a ``scale`` that is not a
-            number (an int is taken as a float), a ``w_quantizer`` result that is not
-            a float tensor.
+        TypeError: a tensor argument that is not a tensor (an ``initial_state`` given
+            as a list, say), non-float inputs, mixed q/k/v dtypes, non-integer
+            ``cu_seqlens``, a non-numeric ``chunk_size``, non-bool flags, a ``scale``
+            that is not a number (an int is taken as a float), a ``w_quantizer``
+            result that is not a float tensor.
+        NotImplementedError: at a backward through the gradients (double backward).
 
     Source: the chunked WY form of the gated delta rule (Yang et al., Gated Delta
     Networks, 2024), as specified by :func:`kdn_compile.reference.chunk_gdn_reference`.
@@ -363,5 +374,5 @@ def state_fp8_qdq(state: torch.Tensor, block_v: int = 64) -> torch.Tensor:
     """
     check_tensor("state", state)
     if state.dim() < 2:
-        raise ValueError(f"state must be [..., K, V], got shape {tuple(state.shape)}")
+        fail(ValueError, f"state must be [..., K, V], got shape {dims(state.shape)}")
     return _ops.state_fp8_qdq_reference(state, _block_v(block_v, "block_v"))

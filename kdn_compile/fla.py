@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kdn_compile._checks import check_flag, check_tensor
+from kdn_compile._checks import check_flag, check_tensor, dims, fail, shown
 from kdn_compile.api import chunk_gdn as _chunk_gdn
 from kdn_compile.api import chunk_kda as _chunk_kda
 from kdn_compile.api import recurrent_delta_rule as _recurrent_delta_rule
@@ -59,11 +59,10 @@ def _reject(function: str, **unsupported) -> None:
     if unsupported:
         hints = "; ".join(f"{name}: {_KEYWORD_HINTS[name]}" for name in unsupported
                           if name in _KEYWORD_HINTS)
-        raise TypeError(
-            f"kdn_compile.fla.{function} does not support "
-            + ", ".join(f"{name}={value!r}" for name, value in unsupported.items())
-            + (f" ({hints})" if hints else "")
-        )
+        fail(TypeError,
+             f"kdn_compile.fla.{function} does not support "
+             + ", ".join(f"{name}={shown(value)}" for name, value in unsupported.items())
+             + (f" ({hints})" if hints else ""))
 
 
 def _non_default(**given) -> dict:
@@ -81,12 +80,14 @@ def l2norm(x: torch.Tensor) -> torch.Tensor:
 def _prepare_qk_beta(q, k, beta, output_final_state, use_qk_l2norm_in_kernel,
                      use_beta_sigmoid_in_kernel, allow_neg_eigval):
     """Validate the flags, then FLA's in-kernel q/k normalization and beta sigmoid."""
+    for name, t in (("q", q), ("k", k), ("beta", beta)):
+        check_tensor(name, t)
     check_flag("output_final_state", output_final_state)
     check_flag("use_qk_l2norm_in_kernel", use_qk_l2norm_in_kernel)
     check_flag("use_beta_sigmoid_in_kernel", use_beta_sigmoid_in_kernel)
     check_flag("allow_neg_eigval", allow_neg_eigval)
     if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
-        raise ValueError("allow_neg_eigval=True requires use_beta_sigmoid_in_kernel=True")
+        fail(ValueError, "allow_neg_eigval=True requires use_beta_sigmoid_in_kernel=True")
     if use_qk_l2norm_in_kernel:
         q, k = l2norm(q), l2norm(k)
     if use_beta_sigmoid_in_kernel:
@@ -102,10 +103,8 @@ def _head_params(name: str, x, size: int, shape: str, g: torch.Tensor) -> torch.
         return None
     check_tensor(name, x)
     if x.numel() != size or x.device != g.device:
-        raise ValueError(
-            f"{name} must have {size} elements ({shape}) on {g.device}, got shape "
-            f"{tuple(x.shape)} on {x.device}"
-        )
+        fail(ValueError, f"{name} must have {shown(size)} elements ({shape}) on {g.device}, "
+                         f"got shape {dims(x.shape)} on {x.device}")
     return x.to(work_dtype(g.dtype))
 
 
@@ -158,28 +157,27 @@ def _check_gate_args(use_gate_in_kernel, A_log, lower_bound=None, *, kda: bool) 
     check_flag("use_gate_in_kernel", use_gate_in_kernel)
     if lower_bound is not None and (isinstance(lower_bound, bool)
                                     or not isinstance(lower_bound, (int, float))):
-        raise TypeError(f"lower_bound must be a float or None, got {type(lower_bound).__name__}")
+        fail(TypeError, f"lower_bound must be a float or None, got {type(lower_bound).__name__}")
     if use_gate_in_kernel and A_log is None and lower_bound is None:
-        raise ValueError("A_log must be provided when use_gate_in_kernel=True"
+        fail(ValueError, "A_log must be provided when use_gate_in_kernel=True"
                          + (" and lower_bound is not set" if kda else ""))
 
 
 def _check_chunk_size(chunk_size, allowed: tuple, family: str) -> None:
     if chunk_size not in allowed:
-        raise ValueError(f"chunk_size must be one of {allowed} for {family}, got {chunk_size!r}")
+        fail(ValueError, f"chunk_size must be one of {', '.join(map(str, allowed))} for "
+                         f"{family}, got {shown(chunk_size)}")
 
 
 def _check_safe_gate(safe_gate, use_gate_in_kernel, lower_bound) -> None:
     check_flag("safe_gate", safe_gate)
     if safe_gate and use_gate_in_kernel:
         if lower_bound is None:
-            raise ValueError(
-                "lower_bound must be set when safe_gate=True and use_gate_in_kernel=True"
-            )
+            fail(ValueError,
+                 "lower_bound must be set when safe_gate=True and use_gate_in_kernel=True")
         if not -5 <= lower_bound < 0:
-            raise ValueError(
-                f"lower_bound must be in [-5, 0) with safe_gate=True, got {lower_bound}"
-            )
+            fail(ValueError,
+                 f"lower_bound must be in [-5, 0) with safe_gate=True, got {shown(lower_bound)}")
 
 
 def _finish(o, final_state, output_final_state):
@@ -326,7 +324,7 @@ def fused_recurrent_gated_delta_rule(
     _reject("fused_recurrent_gated_delta_rule", **kwargs, **_non_default(gv=(gv, None)))
     _check_gate_args(use_gate_in_kernel, A_log, kda=False)
     if use_gate_in_kernel and g is None:
-        raise ValueError("g (the raw gate input) must be provided when use_gate_in_kernel=True")
+        fail(ValueError, "g (the raw gate input) must be provided when use_gate_in_kernel=True")
     check_tensor("v", v, layout="BTHV")
     b, t, hv = v.shape[:3]
     if beta is None:
@@ -479,7 +477,8 @@ def fused_recurrent_kda(
     check_tensor("g", g)
     check_tensor("v", v, layout="BTHV")
     if g.dim() != 4 or g.shape[-1] != q.shape[-1]:
-        raise ValueError(f"g must be [B, T, HV, K] with K = {q.shape[-1]}, got {tuple(g.shape)}")
+        fail(ValueError, f"g must be [B, T, HV, K] with K = {shown(q.shape[-1])}, "
+                         f"got {dims(g.shape)}")
     q, k, beta = _prepare_qk_beta(q, k, beta, output_final_state, use_qk_l2norm_in_kernel,
                                   use_beta_sigmoid_in_kernel, allow_neg_eigval)
     if use_gate_in_kernel:

@@ -22,7 +22,7 @@ import torch
 import kdn_compile.ops  # noqa: F401  (registers torch.ops.kdn)
 from kdn_compile._backend import prefer_kernels
 from kdn_compile._checks import check_delta_inputs, check_float, check_flag, check_kdn_inputs
-from kdn_compile._checks import check_pool, check_slot_indices
+from kdn_compile._checks import check_pool, check_slot_indices, dims, fail, shown
 from kdn_compile.ops._dispatch import eager_cuda
 from kdn_compile.ops.decode import delta_rule_decode_body, diag_kdn_decode_body
 from kdn_compile.reference.pools import POOL_BLOCK_V
@@ -44,19 +44,18 @@ def _check_inference(**tensors) -> None:
     if torch.is_grad_enabled():
         needing = [n for n, t in tensors.items() if t is not None and t.requires_grad]
         if needing:
-            raise RuntimeError(
-                f"decode steps are inference only, but {', '.join(needing)} require grad: call "
-                "under torch.no_grad() (or detach them); train with chunk_gdn / chunk_kda / "
-                "diag_kdn or recurrent_delta_rule"
-            )
+            fail(RuntimeError,
+                 f"decode steps are inference only, but {', '.join(needing)} require grad: call "
+                 "under torch.no_grad() (or detach them); train with chunk_gdn / chunk_kda / "
+                 "diag_kdn or recurrent_delta_rule")
 
 
 def _check_tokens(q: torch.Tensor) -> None:
     if not 1 <= q.shape[1] <= MAX_DECODE_TOKENS:
-        raise ValueError(
-            f"a decode step takes 1 <= T <= {MAX_DECODE_TOKENS} tokens per row, got T = "
-            f"{q.shape[1]} (q {tuple(q.shape)}); prefill with chunk_gdn / chunk_kda / diag_kdn"
-        )
+        fail(ValueError,
+             f"a decode step takes 1 <= T <= {MAX_DECODE_TOKENS} tokens per row, got T = "
+             f"{shown(q.shape[1])} (q {dims(q.shape)}); prefill with chunk_gdn / chunk_kda / "
+             "diag_kdn")
 
 
 def delta_rule_decode(
@@ -132,13 +131,11 @@ def delta_rule_decode(
     slots = check_pool("state_pool", state_pool, layout, state_shape, _POOL_DTYPES, q.device)
     float8 = state_pool.dtype == torch.float8_e4m3fn
     if float8 and pool_scales is None:
-        raise ValueError(
-            "a float8_e4m3fn state_pool needs pool_scales [S, Hv, ceil(V / 64)] float32"
-        )
+        fail(ValueError, "a float8_e4m3fn state_pool needs pool_scales [S, Hv, ceil(V / 64)] "
+                         "float32, got None")
     if not float8 and pool_scales is not None:
-        raise ValueError(
-            f"pool_scales go with a float8_e4m3fn state_pool, got a {state_pool.dtype} pool"
-        )
+        fail(ValueError,
+             f"pool_scales go with a float8_e4m3fn state_pool, got a {state_pool.dtype} pool")
     if pool_scales is not None:
         tiles = -(-dv // POOL_BLOCK_V)
         check_pool("pool_scales", pool_scales, "[S, Hv, ceil(V / 64)]", (hv, tiles),

@@ -264,7 +264,7 @@ def _bad(message, **change):
 def test_validation_names_the_argument():
     long = delta_inputs(B=2, T=9, Hk=1, Hv=2, K=4, V=3, dtype=torch.float32, with_state=False)
     _bad(r"1 <= T <= 8 tokens per row, got T = 9", **long)
-    _bad(r"state_pool must be \[S, Hv, K, V\] = \('S', 2, 4, 3\), got \(3, 2, 3, 4\)",
+    _bad(r"state_pool must be \[S, Hv, K, V\] = \(S, 2, 4, 3\), got \(3, 2, 3, 4\)",
          state_pool=torch.zeros(3, 2, 3, 4))
     _bad(r"state_pool must be float32, bfloat16, float8_e4m3fn, float64, got torch.float16",
          state_pool=torch.zeros(3, 2, 4, 3, dtype=torch.float16))

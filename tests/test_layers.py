@@ -10,7 +10,7 @@ import torch
 
 import kdn_compile
 from _helpers import assert_close
-from kdn_compile.layers import DiagKDN, GatedDeltaNet, KimiDeltaAttention
+from kdn_compile.layers import DiagKDN, GatedDeltaNet, KimiDeltaAttention, LayerState
 from kdn_compile.layers._common import ShortConv
 
 D = 24
@@ -186,6 +186,31 @@ def test_bad_state_or_input_rank_is_rejected_by_name(name):
         layer(inputs(1, 6)[..., :23])
 
 
+@pytest.mark.parametrize("name", sorted(LAYERS))
+def test_state_records_its_layer(name):
+    """The state names the layer type and sizes; it survives saving and pytree maps, and a
+    detached plain copy (truncated backpropagation) continues the sequence as the state does."""
+    layer = make_layer(name)
+    x = inputs(2, 5)
+    _, state = layer(x)
+    assert isinstance(state, LayerState) and state.made_by == layer.state_signature
+    assert state.made_by.startswith(type(layer).__name__ + "(hidden_size=24, num_heads=2, ")
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer)  # weights_only
+    assert isinstance(loaded, LayerState) and loaded.made_by == state.made_by
+    mapped = torch.utils._pytree.tree_map(lambda t: t.detach(), state)
+    assert isinstance(mapped, LayerState) and mapped.made_by == state.made_by
+    want, _ = layer(x, state)
+    got, _ = layer(x, {k: v.detach() for k, v in state.items()})
+    assert torch.equal(got, want)
+    other = LayerState(state.made_by.replace("hidden_size=24", "hidden_size=32"), state)
+    with pytest.raises(ValueError, match=r"state was made by .*\(hidden_size=32, .*; this layer "
+                                         r"is .*\(hidden_size=24, "):
+        layer(x, other)
+
+
 def test_conv_does_not_leak_across_sequences():
     conv = ShortConv(3).double()
     cu = torch.tensor([0, 4, 9])
@@ -215,6 +240,7 @@ def _compile_over_lengths(name, backend, lengths=(17, 33, 50)):
         grads_comp = torch.autograd.grad(y_comp.square().sum(), list(layer.parameters()))
         assert_close(y_comp, y_eager, 1e-5, f"{name} compiled value T={T}")
         assert_states_close(s_comp, s_eager, 1e-5, f"{name} compiled T={T}")
+        assert isinstance(s_comp, LayerState) and s_comp.made_by == layer.state_signature
         for (pname, _), a, b in zip(layer.named_parameters(), grads_comp, grads_eager):
             assert_close(a, b, 1e-4, f"{name} compiled grad {pname} T={T}")
     assert not counters["graph_break"], counters["graph_break"]
@@ -265,6 +291,7 @@ class TestExport(expecttest.TestCase):
             got, got_state = prog.module()(x)
             assert_close(got, want, 1e-6, f"exported {name} at T=45")
             assert_states_close(got_state, want_state, 1e-6, f"exported {name}")
+            assert isinstance(got_state, LayerState) and got_state.made_by == layer.state_signature
         return sorted(
             str(node.target) for node in program.graph.nodes
             if node.op == "call_function" and str(node.target).startswith("kdn.")

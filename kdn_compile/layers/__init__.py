@@ -2,11 +2,13 @@
 
 Each layer's ``forward(x, state=None, cu_seqlens=None) -> (y, state)`` carries
 the short-convolution cache and the recurrent state, so prefill followed by
-token-by-token decode equals one pass over the whole sequence.
+token-by-token decode equals one pass over the whole sequence. The state is a
+:class:`LayerState`, a dict that records the layer type and sizes that made it.
 """
 
 from kdn_compile.layers.gdn import GatedDeltaNet
 from kdn_compile.layers.kda import KimiDeltaAttention
 from kdn_compile.layers.kdn import DiagKDN
+from kdn_compile.layers._state import LayerState
 
-__all__ = ["GatedDeltaNet", "KimiDeltaAttention", "DiagKDN"]
+__all__ = ["GatedDeltaNet", "KimiDeltaAttention", "DiagKDN", "LayerState"]

@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kdn_compile._checks import check_cu_seqlens, check_state, num_sequences
+from kdn_compile._checks import check_cu_seqlens, check_state, check_tensor, dims, fail
+from kdn_compile._checks import listed, num_sequences, shown
 
 
 class ShortConv(nn.Module):
@@ -36,7 +37,7 @@ class ShortConv(nn.Module):
     def __init__(self, channels: int, kernel_size: int = 4):
         super().__init__()
         if kernel_size < 2:
-            raise ValueError(f"kernel_size must be >= 2, got {kernel_size}")
+            fail(ValueError, f"kernel_size must be >= 2, got {shown(kernel_size)}")
         self.kernel_size = kernel_size
         self.weight = nn.Parameter(torch.empty(channels, kernel_size))
         bound = kernel_size**-0.5  # nn.Conv1d's default for a depthwise filter
@@ -114,8 +115,8 @@ class GatedRMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-5, activation: str = "silu"):
         super().__init__()
         if activation not in self._ACTIVATIONS:
-            raise ValueError(f"activation must be one of {sorted(self._ACTIVATIONS)}, "
-                             f"got {activation!r}")
+            fail(ValueError, f"activation must be one of {listed(self._ACTIVATIONS)}, "
+                             f"got {shown(activation)}")
         self.eps, self.activation = eps, activation
         self.weight = nn.Parameter(torch.ones(dim))
 
@@ -137,7 +138,7 @@ def check_sizes(**sizes: int | None) -> None:
             continue
         least = 2 if name == "conv_size" else 1
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
-            raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
+            fail(ValueError, f"{name} must be an int >= {least}, got {shown(value)}")
 
 
 def decay_rate_log(heads: int) -> torch.Tensor:
@@ -181,12 +182,13 @@ def convolved_qkv(layer: nn.Module, x: torch.Tensor, conv_cache, cu_seqlens, val
         ValueError: ``x`` is not ``[B, T, D]`` (an unbatched ``[T, D]``, say) with
             ``D`` the layer's ``hidden_size``.
     """
+    check_tensor("x", x, floating=False)
     if x.dim() != 3:
-        raise ValueError(f"x must be [B, T, D] (3 dims), got shape {tuple(x.shape)}")
+        fail(ValueError, f"x must be [B, T, D] (3 dims), got shape {dims(x.shape)}")
     hidden = layer.q_proj.in_features
     if x.shape[-1] != hidden:
-        raise ValueError(f"x must be [B, T, D] with D = hidden_size = {hidden}, "
-                         f"got shape {tuple(x.shape)}")
+        fail(ValueError, f"x must be [B, T, D] with D = hidden_size = {hidden}, "
+                         f"got shape {dims(x.shape)}")
     # before the packed convolution gathers rows by cu_seqlens
     check_cu_seqlens(cu_seqlens, x.shape[0], x.device, x.shape[1])
     # Three module calls, not one product on the stacked weights: that was 2% faster in

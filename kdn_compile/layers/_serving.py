@@ -19,7 +19,7 @@ import torch
 import kdn_compile.ops  # noqa: F401  (registers torch.ops.kdn)
 from kdn_compile._backend import prefer_kernels
 from kdn_compile._checks import check_cu_seqlens, check_pool, check_slot_indices, check_slot_values
-from kdn_compile._checks import num_sequences
+from kdn_compile._checks import check_tensor, dims, fail, listed, num_sequences, shown
 from kdn_compile.reference.fp8 import dequantize_state_fp8, quantize_state_fp8
 from kdn_compile.reference.pools import POOL_BLOCK_V, gather_slots
 from kdn_compile.serving import MAX_DECODE_TOKENS
@@ -96,7 +96,7 @@ class SlotCache:
     def _check_state_dtype(self, state_dtype) -> None:
         if state_dtype not in self.state_dtypes:
             allowed = ", ".join(str(d).replace("torch.", "") for d in self.state_dtypes)
-            raise TypeError(f"state_dtype of a {type(self).__name__} cache must be one of "
+            fail(TypeError, f"state_dtype of a {type(self).__name__} cache must be one of "
                             f"{allowed}, got {state_dtype!r}")
 
     @property
@@ -130,7 +130,7 @@ class SlotCache:
             TypeError: ``state_dtype`` not one of the dtypes above.
         """
         if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 1:
-            raise ValueError(f"num_slots must be an int >= 1, got {num_slots!r}")
+            fail(ValueError, f"num_slots must be an int >= 1, got {shown(num_slots)}")
         self._check_state_dtype(state_dtype)
         device = self.q_proj.weight.device if device is None else torch.device(device)
         cache = {}
@@ -144,19 +144,19 @@ class SlotCache:
     def _check_cache(self, cache, device) -> int:
         """The pools of ``cache`` as :meth:`allocate_cache` makes them; returns ``S``."""
         if not isinstance(cache, dict):
-            raise TypeError(f"cache must be the dict of allocate_cache, got {type(cache).__name__}")
+            fail(TypeError, f"cache must be the dict of allocate_cache, got {type(cache).__name__}")
         state = cache.get(self._state_key)
         dtype = state.dtype if isinstance(state, torch.Tensor) else None
         layout = self.pool_layout(dtype if dtype in self.state_dtypes else torch.float32)
         if set(cache) != set(layout):
-            raise ValueError(f"cache must be the pools {sorted(layout)} of allocate_cache "
-                             f"(for a {dtype} state), got keys {sorted(cache)}")
+            fail(ValueError, f"cache must be the pools {listed(layout)} of allocate_cache "
+                             f"(for a {dtype} state), got keys {listed(cache)}")
         slots = None
         for name, (shape, dtype) in layout.items():
-            dims = "[S, " + ", ".join(str(n) for n in shape) + "]"
+            names = "[S, " + ", ".join(str(n) for n in shape) + "]"
             dtypes = {"conv": (torch.float16, torch.bfloat16, torch.float32, torch.float64),
                       self._state_key: self.state_dtypes}.get(name, (dtype,))
-            slots = check_pool(f'cache["{name}"]', cache[name], dims, shape, dtypes, device,
+            slots = check_pool(f'cache["{name}"]', cache[name], names, shape, dtypes, device,
                                slots=slots)
         return slots
 
@@ -176,8 +176,8 @@ class SlotCache:
         count = self._check_cache(cache, device)
         indices = torch.as_tensor(slots, device=device)
         if indices.dtype not in (torch.int32, torch.int64) or indices.dim() != 1:
-            raise TypeError(f"slots must be a 1-d int tensor or a list of ints, got "
-                            f"{indices.dtype} of shape {tuple(indices.shape)}")
+            fail(TypeError, f"slots must be a 1-d int tensor or a list of ints, got "
+                            f"{indices.dtype} of shape {dims(indices.shape)}")
         check_slot_indices(indices, indices.shape[0], count, device)
         check_slot_values(indices, count)
         fresh = self._fresh_rows(cache[self._state_key].dtype, device)
@@ -218,9 +218,9 @@ class SlotCache:
                 ``cache`` not this layer's pools on ``x``'s device; ``state_indices``
                 of the wrong dtype, shape or device; ``cu_seqlens`` as in ``forward``.
         """
-        if not isinstance(x, torch.Tensor) or x.dim() != 3:
-            raise ValueError(f"x must be [B, T, D] (3 dims), got "
-                             f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x)}")
+        check_tensor("x", x, floating=False)
+        if x.dim() != 3:
+            fail(ValueError, f"x must be [B, T, D] (3 dims), got shape {dims(x.shape)}")
         slots = self._check_cache(cache, x.device)
         check_cu_seqlens(cu_seqlens, x.shape[0], x.device, x.shape[1])
         rows = num_sequences(x.shape[0], cu_seqlens)

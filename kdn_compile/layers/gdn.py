@@ -8,8 +8,9 @@ from torch import nn
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 import kdn_compile
-from kdn_compile._checks import check_state, num_sequences
+from kdn_compile._checks import check_state, fail, num_sequences
 from kdn_compile.layers._serving import SlotCache, load_state, store_state, work_dtype
+from kdn_compile.layers._state import LayerState, signature, state_entries
 from kdn_compile.reference.pools import POOL_BLOCK_V
 from kdn_compile.layers._common import (
     GatedRMSNorm,
@@ -52,9 +53,11 @@ class GatedDeltaNet(SlotCache, nn.Module):
         norm_eps: epsilon of the output RMSNorm (default 1e-5).
 
     ``forward(x, state=None, cu_seqlens=None) -> (y, state)``: ``state`` is
-    ``None`` (start of sequence) or the dict returned by the previous call,
+    ``None`` (start of sequence) or the dict returned by the previous call, a
+    :class:`~kdn_compile.layers.LayerState`
     ``{"conv": [N, conv_size - 1, 2 * Hk * K + Hv * V], "recurrent": [N, Hv, K, V]}``
-    (the recurrent state in float32, float64 for float64 inputs). With
+    (the recurrent state in float32, float64 for float64 inputs) that records the layer
+    type and sizes (``made_by``, this layer's ``state_signature``). With
     ``cu_seqlens`` (``[N + 1]`` int boundaries, ``B == 1``) the packed
     sequences stay independent, convolution included.
 
@@ -73,8 +76,12 @@ class GatedDeltaNet(SlotCache, nn.Module):
         ValueError (forward): ``x`` not ``[B, T, D]``, ``cu_seqlens`` with ``B != 1`` or
             boundaries that do not start at 0, rise and end at ``T`` (checked before
             the packed convolution; on CUDA or while compiling a device-side assert,
-            raised at the next synchronization), or a ``state`` entry not of the
-            shape this layer returns for these rows (the message names it, e.g. ``state["conv"]``).
+            raised at the next synchronization), a ``state`` entry not of the
+            shape this layer returns for these rows (the message names it, e.g.
+            ``state["conv"]``), a ``state`` made by a layer of another type or sizes
+            (a KimiDeltaAttention state, say, though its tensors have the same shapes), or
+            a dict with other keys.
+        TypeError (forward): ``x`` or ``state`` of the wrong type (a tensor as ``state``).
     """
 
     gate_per_key = False  # KimiDeltaAttention: one decay per key channel
@@ -99,12 +106,15 @@ class GatedDeltaNet(SlotCache, nn.Module):
         num_v_heads = num_heads if num_v_heads is None else num_v_heads
         head_v_dim = head_dim if head_v_dim is None else head_v_dim
         if num_v_heads % num_heads != 0:
-            raise ValueError(
-                f"num_v_heads ({num_v_heads}) must be a multiple of num_heads ({num_heads})"
-            )
+            fail(ValueError,
+                 f"num_v_heads ({num_v_heads}) must be a multiple of num_heads ({num_heads})")
         self.num_heads, self.head_dim = num_heads, head_dim
         self.num_v_heads, self.head_v_dim = num_v_heads, head_v_dim
         self.chunk_size = chunk_size
+        self.state_signature = signature(
+            self, hidden_size=hidden_size, num_heads=num_heads, head_dim=head_dim,
+            num_v_heads=num_v_heads, head_v_dim=head_v_dim, conv_size=conv_size,
+        )
         key_width, value_width = num_heads * head_dim, num_v_heads * head_v_dim
         gates = num_v_heads * head_dim if self.gate_per_key else num_v_heads
 
@@ -166,15 +176,15 @@ class GatedDeltaNet(SlotCache, nn.Module):
         sequence) as the class docstring says; up to 8 tokens run the token-recurrence
         kernels (:func:`kdn_compile.recurrent_delta_rule`), longer inputs the chunked ones.
         Training and whole sequences; a server's slot pools use :meth:`step`."""
-        conv_cache = None if state is None else state["conv"]
-        recurrent = None if state is None else state["recurrent"]
+        conv_cache, recurrent = state_entries(self, state, ("conv", "recurrent"))
         q, k, v, conv_cache = convolved_qkv(self, x, conv_cache, cu_seqlens, self.num_v_heads)
         rows = num_sequences(x.shape[0], cu_seqlens)
         check_state('state["recurrent"]', recurrent,
                     (rows, self.num_v_heads, self.head_dim, self.head_v_dim))
         q, k, g, beta = self.mixer_inputs(x, q, k)
         o, recurrent = self.mix(q, k, v, g, beta, recurrent, cu_seqlens)
-        return self.output(o, x), {"conv": conv_cache, "recurrent": recurrent}
+        state = LayerState(self.state_signature, {"conv": conv_cache, "recurrent": recurrent})
+        return self.output(o, x), state
 
     # -- serving -------------------------------------------------------------------------
     def pool_layout(self, state_dtype):

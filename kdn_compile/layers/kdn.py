@@ -12,6 +12,7 @@ from kdn_compile._checks import check_float, check_state, num_sequences
 from kdn_compile.layers._common import GatedRMSNorm, ShortConv, check_sizes, convolved_qkv, heads, work
 from kdn_compile.layers._common import decay_rate_log, time_step_bias
 from kdn_compile.layers._serving import SlotCache, load_state, work_dtype, write_slots
+from kdn_compile.layers._state import LayerState, signature, state_entries
 from kdn_compile.reference import (
     INITIAL_PRECISION_FLOOR,
     initial_precision_logit,
@@ -51,9 +52,10 @@ class DiagKDN(SlotCache, nn.Module):
 
     ``forward(x, state=None, cu_seqlens=None) -> (y, state)``: ``state`` is
     ``None`` (start: zero memory, learned prior precision) or the dict returned
-    by the previous call, ``{"conv": [N, conv_size - 1, 2 * H * K + H * V],
-    "memory": [N, H, K, V], "precision": [N, H, K]}`` (memory and precision in
-    float32, float64 for float64 inputs). Without gradients (``torch.no_grad`` or
+    by the previous call, a :class:`~kdn_compile.layers.LayerState`
+    ``{"conv": [N, conv_size - 1, 2 * H * K + H * V], "memory": [N, H, K, V],
+    "precision": [N, H, K]}`` (memory and precision in float32, float64 for float64
+    inputs) that records the layer type and sizes. Without gradients (``torch.no_grad`` or
     nothing that requires one) and up to 8 tokens without ``cu_seqlens``, the step
     runs :func:`kdn_compile.diag_kdn_decode` on a copy of the state (exact either way).
 
@@ -71,8 +73,11 @@ class DiagKDN(SlotCache, nn.Module):
         ValueError (forward): ``x`` not ``[B, T, D]``, ``cu_seqlens`` with ``B != 1`` or
             boundaries that do not start at 0, rise and end at ``T`` (checked before
             the packed convolution; on CUDA or while compiling a device-side assert,
-            raised at the next synchronization), or a ``state`` entry not of the
-            shape this layer returns for these rows (the message names it, e.g. ``state["conv"]``).
+            raised at the next synchronization), a ``state`` entry not of the
+            shape this layer returns for these rows (the message names it, e.g.
+            ``state["conv"]``), a ``state`` made by a layer of another type or sizes, or
+            a dict with other keys.
+        TypeError (forward): ``x`` or ``state`` of the wrong type (a tensor as ``state``).
     """
 
     def __init__(
@@ -93,6 +98,10 @@ class DiagKDN(SlotCache, nn.Module):
         head_v_dim = head_dim if head_v_dim is None else head_v_dim
         self.num_heads, self.head_dim, self.head_v_dim = num_heads, head_dim, head_v_dim
         self.info_scale, self.chunk_size = check_float("info_scale", info_scale), chunk_size
+        self.state_signature = signature(
+            self, hidden_size=hidden_size, num_heads=num_heads, head_dim=head_dim,
+            head_v_dim=head_v_dim, conv_size=conv_size,
+        )
         key_width, value_width = num_heads * head_dim, num_heads * head_v_dim
 
         self.q_proj = nn.Linear(hidden_size, key_width, bias=False)
@@ -148,7 +157,9 @@ class DiagKDN(SlotCache, nn.Module):
         memory and the learned prior precision) as the class docstring says; without
         gradients up to 8 tokens run the decode kernels (:func:`kdn_compile.diag_kdn_decode`),
         otherwise :func:`kdn_compile.diag_kdn`. A server's slot pools use :meth:`step`."""
-        conv_cache = None if state is None else state["conv"]
+        conv_cache, memory, precision = state_entries(
+            self, state, ("conv", "memory", "precision")
+        )
         q, k, v, conv_cache = convolved_qkv(self, x, conv_cache, cu_seqlens, self.num_heads)
         q, k, log_alpha, omega, r, prior = self.mixer_inputs(x, q, k, v)
         rows = num_sequences(x.shape[0], cu_seqlens)
@@ -157,7 +168,6 @@ class DiagKDN(SlotCache, nn.Module):
                 prior, batch_size=rows, key_dim=self.head_dim, value_dim=self.head_v_dim
             )
         else:
-            memory, precision = state["memory"], state["precision"]
             h = self.num_heads
             check_state('state["memory"]', memory, (rows, h, self.head_dim, self.head_v_dim))
             check_state('state["precision"]', precision, (rows, h, self.head_dim))
@@ -176,7 +186,8 @@ class DiagKDN(SlotCache, nn.Module):
                 scale=scale, info_scale=self.info_scale,
                 chunk_size=self.chunk_size, cu_seqlens=cu_seqlens,
             )
-        state = {"conv": conv_cache, "memory": memory, "precision": precision}
+        state = LayerState(self.state_signature,
+                           {"conv": conv_cache, "memory": memory, "precision": precision})
         return self.output(o, x), state
 
     # -- serving -------------------------------------------------------------------------

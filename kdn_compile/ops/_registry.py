@@ -44,6 +44,44 @@ def _fresh(result):
     return tuple(_fresh(r) for r in result)
 
 
+class _NoDoubleBackward(torch.autograd.Function):
+    """Identity on a gradient that an op's backward formed under ``create_graph=True``;
+    differentiating through it raises a ``NotImplementedError`` naming the op.
+
+    The backward kernels are not differentiable (the Triton launches record nothing,
+    and the reference backward ops register no autograd of their own), so without this
+    node a second backward would fail with PyTorch's generic message, or, where a
+    gradient comes from a launch that records nothing, miss that part silently.
+    """
+
+    @staticmethod
+    def forward(ctx, op_name: str, anchor: torch.Tensor, grad: torch.Tensor):
+        ctx.op_name = op_name
+        return grad.view_as(grad)
+
+    @staticmethod
+    def backward(ctx, _):
+        raise NotImplementedError(
+            f"kdn::{ctx.op_name} has no double backward: its gradients cannot be "
+            "differentiated (create_graph=True, then a backward through them). For "
+            "higher-order gradients call the plain-PyTorch references in "
+            "kdn_compile.reference (same arguments)"
+        )
+
+
+def refuse_double_backward(op_name: str, inputs: Sequence, grads: Sequence) -> tuple:
+    """``grads`` (an op's input gradients) behind :class:`_NoDoubleBackward` when the
+    backward runs with ``create_graph=True`` (grad mode on) and something it read
+    requires grad; unchanged otherwise."""
+    tensors = [x for x in (*inputs, *grads) if isinstance(x, torch.Tensor)]
+    anchor = next((x for x in tensors if x.requires_grad), None)
+    if not torch.is_grad_enabled() or anchor is None:
+        return tuple(grads)
+    return tuple(
+        g if g is None else _NoDoubleBackward.apply(op_name, anchor, g) for g in grads
+    )
+
+
 def saved_placeholders(like: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:
     """``n`` empty tensors in place of the saved outputs of a ``kdn::<name>`` op on a
     branch that saves nothing (the reference, or a half that runs its reference math)."""
@@ -208,10 +246,11 @@ class FamilyOps:
                 found = backward(inputs, grads, stored[len(params):])
             else:
                 found = backward(inputs, list(grads))
-            return tuple(
+            result = tuple(
                 found.get(n) if (n in self.differentiable and inputs[n] is not None) else None
                 for n in params
             )
+            return refuse_double_backward(self.name, (*values, *grads), result)
 
         op.register_autograd(backward_fn, setup_context=setup_context)
 
