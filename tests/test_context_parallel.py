@@ -24,14 +24,23 @@ import kdn_compile.distributed as kd
 
 T = 24  # tokens of the whole sequence; every world size below divides it
 KDN_OPTIONS = dict(scale=0.35, info_scale=0.7)
-# Packed sequences: an empty one, one spanning ranks, one starting on a rank boundary
-# (12), one ending on one (6 with 4 ranks), an empty one at the end.
-PACKED = [0, 5, 5, 12, 13, 24, 24]
+# Packed sequences: an empty one, a sequence across every boundary of 2, 3 and 4 ranks
+# (12; 8 and 16; 6, 12 and 18), an empty one at the end
+PACKED = [0, 5, 5, 10, 13, 24, 24]
+# sequences that end and start on the boundaries of 4 ranks (6, 12), one across 18
+BOUNDARIES = [0, 6, 12, 20, 24]
 
 
 def _grads(loss, x):
     names = [n for n, t in x.items() if t.requires_grad]
     return dict(zip(names, torch.autograd.grad(loss, [x[n] for n in names])))
+
+
+def _slow(x: dict, gate: str) -> dict:
+    """``x`` with its decays ``x[gate]`` a fifth as fast: each rank's state reaches the next
+    ranks' outputs with more weight."""
+    return {n: (t.detach() * 0.2).requires_grad_(t.requires_grad) if n == gate else t
+            for n, t in x.items()}
 
 
 def _weights(*like, seed=1):
@@ -44,13 +53,15 @@ def _weights(*like, seed=1):
 
 @pytest.mark.parametrize("family", ["gdn", "kda"])
 @pytest.mark.parametrize("world, cu_seqlens, state_v_first", [
-    (2, None, False), (3, PACKED, True), (4, PACKED, False), (4, [0, 1, 24], False)],
-    ids=["fixed-2", "packed-3-v-first", "packed-4", "spans-all-4"])
+    (2, None, False), (3, PACKED, True), (4, PACKED, False), (4, BOUNDARIES, False),
+    (4, [0, 1, 24], False)],
+    ids=["fixed-2", "packed-3-v-first", "packed-4", "boundaries-4", "spans-all-4"])
 def test_emulated_delta_rule_equals_one_device(family, world, cu_seqlens, state_v_first):
     run = kdn_compile.chunk_kda if family == "kda" else kdn_compile.chunk_gdn
     packed = cu_seqlens is not None
-    x = delta_inputs(B=1 if packed else 2, T=T, N=len(cu_seqlens) - 1 if packed else None,
-                     per_key=family == "kda", requires_grad=True, state_v_first=state_v_first)
+    x = _slow(delta_inputs(B=1 if packed else 2, T=T, N=len(cu_seqlens) - 1 if packed else None,
+                           per_key=family == "kda", requires_grad=True,
+                           state_v_first=state_v_first), "g")
     options = dict(chunk_size=4, state_v_first=state_v_first,
                    cu_seqlens=torch.tensor(cu_seqlens) if packed else None)
     o, state = run(**x, **options)
@@ -66,12 +77,13 @@ def test_emulated_delta_rule_equals_one_device(family, world, cu_seqlens, state_
         assert_close(found[name], grad, 1e-12, f"d{name}")
 
 
-@pytest.mark.parametrize("world, cu_seqlens", [(2, None), (4, PACKED), (3, [0, 1, 23, 24])],
-                         ids=["fixed-2", "packed-4", "short-ends-3"])
+@pytest.mark.parametrize("world, cu_seqlens", [
+    (2, None), (4, PACKED), (4, BOUNDARIES), (3, [0, 1, 23, 24])],
+    ids=["fixed-2", "packed-4", "boundaries-4", "short-ends-3"])
 def test_emulated_diag_kdn_equals_one_device(world, cu_seqlens):
     packed = cu_seqlens is not None
-    x = kdn_inputs(B=1 if packed else 2, T=T, N=len(cu_seqlens) - 1 if packed else None,
-                   requires_grad=True)
+    x = _slow(kdn_inputs(B=1 if packed else 2, T=T, N=len(cu_seqlens) - 1 if packed else None,
+                         requires_grad=True), "log_alpha")
     options = dict(KDN_OPTIONS, chunk_size=4,
                    cu_seqlens=torch.tensor(cu_seqlens) if packed else None)
     o, memory, precision = kdn_compile.diag_kdn(**x, **options)
@@ -156,9 +168,10 @@ def test_one_rank_equals_the_plain_function(one_rank_group):
 def _inputs(family, packed, dtype=torch.float32):
     n = len(PACKED) - 1 if packed else None
     if family == "kdn":
-        return kdn_inputs(B=1 if packed else 2, T=T, N=n, dtype=dtype, requires_grad=True)
-    return delta_inputs(B=1 if packed else 2, T=T, N=n, per_key=family == "kda", dtype=dtype,
-                        requires_grad=True)
+        return _slow(kdn_inputs(B=1 if packed else 2, T=T, N=n, dtype=dtype, requires_grad=True),
+                     "log_alpha")
+    return _slow(delta_inputs(B=1 if packed else 2, T=T, N=n, per_key=family == "kda",
+                              dtype=dtype, requires_grad=True), "g")
 
 
 def _call(module, family, x, packed, group=None):
