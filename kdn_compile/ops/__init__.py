@@ -4,5 +4,5 @@ import torch.distributed
 
 from kdn_compile.ops import decode, fp8, gdn, kda, kdn, recurrent, slots  # noqa: F401
 
-if torch.distributed.is_available():  # context parallelism's collectives
-    from kdn_compile.ops import exchange  # noqa: F401
+if torch.distributed.is_available():  # context parallelism's collectives, DTensor rules
+    from kdn_compile.ops import exchange, sharding  # noqa: F401
