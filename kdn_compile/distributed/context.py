@@ -112,19 +112,21 @@ _SHARED_DOC = """
         cu_seqlens: ``[N + 1]`` boundaries of packed sequences on the global axis
             ``[0, T]`` (``B == 1``), the same tensor on every rank; a sequence may span
             ranks, and a rank may hold pieces of several.
-        initial_state / memory, precision: the states of the ``N`` sequences at their
-            starts, the same on every rank.
-        The other arguments are those of the single-device function, each tensor
-        holding this rank's tokens.
+        initial_state, memory, precision: the states of the ``N`` sequences at their
+            starts (``initial_state`` for GDN and KDA, ``memory`` and ``precision`` for
+            Diag-KDN), the same on every rank.
+        q, k, v, g, beta, log_alpha, omega, r: this rank's tokens, shaped as for the
+            single-device function (with ``L`` for ``T``); the remaining arguments as
+            there.
 
     Returns:
         As the single-device function: ``o`` for this rank's tokens; the final
         state(s) global (the state after each sequence's last token, wherever it
         lies), the same on every rank.
 
-    Gradients flow through the all-gather (its backward is a reduce-scatter): each
-    rank's slice inputs get the gradient of the sum of every rank's loss, as on one
-    device. A replicated input (the initial state) gets on each rank the part that
+    Gradients are those of the sum of every rank's loss (the exchange's backward
+    reduce-scatters the maps' gradients): each rank's slice inputs get their full
+    gradient, as on one device. A replicated input (the initial state) gets on each rank the part that
     flows through that rank's work; the sum over the group is its full gradient (a
     data-parallel gradient reduction over the group sums it). A loss term on the
     replicated final state counts once per rank that adds it.

@@ -1,4 +1,4 @@
-"""Context parallelism on CUDA with the Triton kernels (skipped without CUDA).
+"""Context and tensor parallelism on CUDA with the Triton kernels (skipped without CUDA).
 
 * A one-rank group (NCCL, else gloo): kdn_compile.distributed's functions equal the
   plain ones, outputs, final states and gradients, eager and compiled (fullgraph).
@@ -6,6 +6,9 @@
   rank's two kernel runs (from the known states and from the identity, packed
   sequences cut at the rank boundaries, empty pieces included) chained as the
   exchange ops chain them equal the plain kernel call on the whole sequence.
+* A one-rank CUDA mesh: the kernel ops on head-sharded DTensors (their rules place
+  the kernels' saved tensors) and the layers under tensor_parallel_plan, compiled
+  with Inductor and fullgraph=True, equal the plain ones.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from _helpers import assert_close, delta_inputs, kdn_inputs
 
 import kdn_compile
 import kdn_compile.distributed as kd
+from kdn_compile.layers import DiagKDN, GatedDeltaNet, KimiDeltaAttention
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -134,3 +138,61 @@ def test_ranks_on_the_kernels_equal_one_call(family, world, packed, dtype):
     got = torch.autograd.grad(loss, [x[n] for n in names])
     for name, a, b in zip(names, got, want):
         assert_close(a, b, tol, f"d{name}")
+
+
+# -- tensor parallelism over a one-rank CUDA mesh ------------------------------------------
+
+
+def _head_sharded(x: dict, mesh) -> dict:
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    def place(name):
+        if name == "cu_seqlens":
+            return [Replicate()]
+        return [Shard(1 if name in ("initial_state", "memory", "precision") else 2)]
+
+    return {n: distribute_tensor(t.detach(), mesh, place(n)).requires_grad_(t.requires_grad)
+            for n, t in x.items()}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("family", ["gdn", "kda", "kdn"])
+def test_kernel_ops_on_head_sharded_dtensors(one_rank_group, family, dtype):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cuda", (1,))
+    x = _inputs(family, False, dtype)
+    expected = _call(kdn_compile, family, x, False)
+    d = _head_sharded(x, mesh)
+    found = _call(kdn_compile, family, d, False)
+    for i, (a, b) in enumerate(zip(found, expected)):
+        assert a.placements[0].is_shard(), f"output {i}: {a.placements}"
+        assert_close(a.full_tensor(), b, 1e-6, f"output {i}")
+    want = _grads(expected, x)
+    got = _grads([o.full_tensor() for o in found], d)
+    for name, grad in want.items():
+        assert_close(got[name].full_tensor(), grad, 1e-6, f"d{name}")
+
+
+@pytest.mark.parametrize("cls", [GatedDeltaNet, KimiDeltaAttention, DiagKDN])
+def test_tensor_parallel_layer_compiles_fullgraph(one_rank_group, cls):
+    import copy
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    mesh = init_device_mesh("cuda", (1,))
+    torch.manual_seed(0)
+    layer = cls(256, 4, 64, chunk_size=64).cuda()
+    single = copy.deepcopy(layer)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randn(2, 128, 256, device="cuda", generator=gen)
+    w = torch.randn(2, 128, 256, device="cuda", generator=gen)
+    (single(x)[0] * w).sum().backward()
+    parallelize_module(layer, mesh, kd.tensor_parallel_plan(layer))
+    torch._dynamo.reset()
+    step = torch.compile(lambda x: (layer(x)[0] * w).sum(), fullgraph=True)
+    step(x).backward()
+    for (name, p), (_, q) in zip(layer.named_parameters(), single.named_parameters()):
+        grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        assert_close(grad, q.grad, 1e-4, f"d{name}")
