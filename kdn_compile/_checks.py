@@ -144,12 +144,14 @@ def _tracing() -> bool:
 def check_cu_seqlens_values(cu_seqlens: torch.Tensor, length) -> None:
     """Boundaries must start at 0, never decrease and end at ``T``.
 
-    CPU tensors in eager mode are read and raise ``ValueError`` with the values.
-    Elsewhere (CUDA, or while tracing) a device-side assert checks the same without
-    a host sync: it fails the next synchronizing call with this message.
+    CPU tensors in eager mode are read and raise ``ValueError`` with the values (a
+    replicated DTensor, under tensor parallelism, through its full value). Elsewhere
+    (CUDA, or while tracing) a device-side assert checks the same without a host sync:
+    it fails the next synchronizing call with this message.
     """
     if cu_seqlens.device.type == "cpu" and not _tracing():
-        bounds = cu_seqlens.tolist()
+        full = getattr(cu_seqlens, "full_tensor", None)  # a DTensor
+        bounds = (cu_seqlens if full is None else full()).tolist()
         steps_ok = all(a <= b for a, b in zip(bounds, bounds[1:]))
         if bounds[0] != 0 or bounds[-1] != length or not steps_ok:
             fail(ValueError,

@@ -27,7 +27,9 @@ class ShortConv(nn.Module):
     so a sequence split across calls (prefill, then token-by-token decode)
     gives the same outputs as one call. With ``cu_seqlens`` (``B == 1``, ``N``
     packed sequences) every tap reads only from its own sequence, or from that
-    sequence's cache row.
+    sequence's cache row. The input may come as channel blocks (the layers pass q, k
+    and v apart), each convolved with its rows of ``weight``: under tensor
+    parallelism each block is sharded on its channels and is never joined.
 
     Args:
         channels: number of channels ``C`` (one filter per channel).
@@ -45,34 +47,44 @@ class ShortConv(nn.Module):
 
     def forward(
         self,
-        x: torch.Tensor,
+        x: torch.Tensor | tuple[torch.Tensor, ...],
         cache: torch.Tensor | None = None,
         cu_seqlens: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``x [B, T, C]`` -> ``(y [B, T, C], cache [N, kernel_size - 1, C])``.
+    ) -> tuple[torch.Tensor | tuple[torch.Tensor, ...], torch.Tensor]:
+        """``x [B, T, C]`` -> ``(y [B, T, C], cache [N, kernel_size - 1, C])``; or ``x`` a
+        tuple of channel blocks ``[B, T, C_i]`` (``sum C_i = C``) -> ``y`` the same blocks,
+        as their concatenation would give them.
 
         Raises:
             ValueError: ``cache`` (a layer's ``state["conv"]``) not of that shape.
         """
-        rows = num_sequences(x.shape[0], cu_seqlens)
-        check_state('state["conv"]', cache, (rows, self.kernel_size - 1, x.shape[-1]))
-        if cu_seqlens is None:
-            y, cache = self._fixed(x, cache)
-        else:
-            y, cache = self._packed(x, cache, cu_seqlens)
-        return F.silu(y), cache
+        blocks = tuple(x) if isinstance(x, (tuple, list)) else (x,)
+        widths = [b.shape[-1] for b in blocks]
+        rows = num_sequences(blocks[0].shape[0], cu_seqlens)
+        check_state('state["conv"]', cache, (rows, self.kernel_size - 1, sum(widths)))
+        caches = [None] * len(blocks) if cache is None else cache.split(widths, dim=-1)
+        ys, tails = [], []
+        for block, weight, tail in zip(blocks, self.weight.split(widths), caches):
+            if cu_seqlens is None:
+                y, tail = self._fixed(block, tail, weight)
+            else:
+                y, tail = self._packed(block, tail, cu_seqlens, weight)
+            ys.append(F.silu(y))
+            tails.append(tail)
+        cache = torch.cat(tails, dim=-1) if len(tails) > 1 else tails[0]
+        return (tuple(ys) if isinstance(x, (tuple, list)) else ys[0]), cache
 
-    def _fixed(self, x, cache):
+    def _fixed(self, x, cache, weight):
         tail = self.kernel_size - 1
         if cache is None:
             cache = x.new_zeros((x.shape[0], tail, x.shape[-1]))
         padded = torch.cat((cache.to(x.dtype), x), dim=1)
         length = x.shape[1]
-        weight = self.weight.to(x.dtype)
+        weight = weight.to(x.dtype)
         y = sum(padded[:, j : j + length] * weight[:, j] for j in range(self.kernel_size))
         return y, padded[:, length:]
 
-    def _packed(self, x, cache, cu_seqlens):
+    def _packed(self, x, cache, cu_seqlens, weight):
         # One pool of rows: every sequence's cache, then the packed tokens. Each
         # tap and each new cache entry is a gather from that pool, so a tap that
         # reaches before its sequence's start lands in that sequence's cache.
@@ -90,7 +102,7 @@ class ShortConv(nn.Module):
             """Pool row of relative position ``pos`` (may be < 0) in sequence ``seq``."""
             return torch.where(pos >= 0, count * tail + starts[seq] + pos, seq * tail + tail + pos)
 
-        weight = self.weight.to(x.dtype)
+        weight = weight.to(x.dtype)
         y = sum(
             pool[row(sequence, position - tail + j)] * weight[:, j] for j in range(self.kernel_size)
         )
@@ -193,9 +205,9 @@ def convolved_qkv(layer: nn.Module, x: torch.Tensor, conv_cache, cu_seqlens, val
     check_cu_seqlens(cu_seqlens, x.shape[0], x.device, x.shape[1])
     # Three module calls, not one product on the stacked weights: that was 2% faster in
     # the compiled front (H200, 2026-12-01) but skipped hooks and adapters on the
-    # projections (LoRA) and copied the weights on every call (a decode token).
-    qkv = torch.cat((layer.q_proj(x), layer.k_proj(x), layer.v_proj(x)), dim=-1)
-    qkv, conv_cache = layer.conv(qkv, conv_cache, cu_seqlens)
-    key_width = layer.num_heads * layer.head_dim
-    q, k, v = qkv.split((key_width, key_width, value_heads * layer.head_v_dim), dim=-1)
+    # projections (LoRA) and copied the weights on every call (a decode token). The
+    # convolution takes them as blocks, never joined: each is head-sharded under
+    # tensor parallelism.
+    (q, k, v), conv_cache = layer.conv((layer.q_proj(x), layer.k_proj(x), layer.v_proj(x)),
+                                       conv_cache, cu_seqlens)
     return heads(q, layer.num_heads), heads(k, layer.num_heads), heads(v, value_heads), conv_cache

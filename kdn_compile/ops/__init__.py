@@ -1,3 +1,8 @@
 """The ``torch.ops.kdn`` op layer. Importing this package registers every op."""
 
+import torch.distributed
+
 from kdn_compile.ops import decode, fp8, gdn, kda, kdn, recurrent, slots  # noqa: F401
+
+if torch.distributed.is_available():  # context parallelism's collectives, DTensor rules
+    from kdn_compile.ops import exchange, sharding  # noqa: F401

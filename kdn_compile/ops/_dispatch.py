@@ -36,9 +36,10 @@ def can_launch(x: torch.Tensor) -> bool:
 
     Never without Triton installed.
     On CUDA always (fake tensors included: ``wrap_triton`` traces them). On the
-    CPU only eagerly under ``TRITON_INTERPRET=1`` and not for bfloat16:
-    interpreted kernels cannot be traced with fake tensors, so tracing on the
-    CPU takes the reference.
+    CPU only eagerly under ``TRITON_INTERPRET=1``, for a plain tensor (or parameter)
+    and not for bfloat16: interpreted kernels cannot be traced with fake tensors, so
+    tracing on the CPU takes the reference, and so does a DTensor (whose sharding
+    rules see the op as its fake tensors run it).
     """
     if not TRITON:
         return False
@@ -46,6 +47,7 @@ def can_launch(x: torch.Tensor) -> bool:
         return True
     return (
         x.device.type == "cpu"
+        and type(x) in (torch.Tensor, torch.nn.Parameter)
         and os.environ.get("TRITON_INTERPRET") == "1"
         # The interpreter's bfloat16 tl.dot is wrong (triton 3.9): bf16 stays on the reference.
         and x.dtype != torch.bfloat16

@@ -127,7 +127,10 @@ class FamilyOps:
         self.reference_op.register_fake(fake)
 
         grads = ", ".join(f"Tensor grad_{i}" for i in range(self.num_outputs))
-        bwd_schema = schema[: schema.rindex(") ->")] + f", {grads}) -> Tensor[]"
+        # one gradient per differentiable input, a fixed tuple (DTensor shards each slot)
+        count = len(self.differentiable)
+        returns = "Tensor" if count == 1 else "(" + ", ".join(["Tensor"] * count) + ")"
+        bwd_schema = schema[: schema.rindex(") ->")] + f", {grads}) -> {returns}"
         self.reference_bwd_op = torch.library.custom_op(
             f"kdn::{name}_reference_bwd",
             self._reference_vjp,
@@ -155,10 +158,15 @@ class FamilyOps:
 
     def _fake_grads(self, *args):
         inputs, _ = self._split(args)
-        return [
+        return self._returned([
             inputs[n].new_empty(inputs[n].shape) if inputs[n] is not None else self._absent(inputs)
             for n in self.differentiable
-        ]
+        ])
+
+    @staticmethod
+    def _returned(grads: list):
+        """The backward op's return: a tuple of gradients, or the one gradient alone."""
+        return grads[0] if len(grads) == 1 else tuple(grads)
 
     def _reference_vjp(self, *args):
         inputs, grads = self._split(args)
@@ -187,11 +195,12 @@ class FamilyOps:
                 continue
             grad = next(found)
             result.append(torch.zeros_like(x) if grad is None else grad.to(x.dtype).contiguous().clone())
-        return result
+        return self._returned(result)
 
     def reference_backward(self, inputs: dict, grads: Sequence[torch.Tensor]) -> dict:
         """Gradients of the differentiable inputs through the reference bwd op."""
         values = self.reference_bwd_op(*(inputs[n] for n in self.params), *grads)
+        values = (values,) if isinstance(values, torch.Tensor) else values
         return dict(zip(self.differentiable, values))
 
     def kernel_or_reference_backward(
@@ -221,8 +230,9 @@ class FamilyOps:
         tensors that only the backward reads (the kernels' saved tensors; a branch
         without them returns placeholders): they are not differentiable, their
         gradients are never formed, and the call is ``backward(inputs, grads,
-        saved_tensors)``. A gradient of an unused family output is then zeros of
-        the fake's shape, as autograd would have materialized it.
+        saved_tensors)``. A gradient of an unused output is zeros of the fake's shape,
+        formed here rather than by autograd: from the inputs, so that it is a tensor of
+        their kind (a DTensor for DTensor inputs, where autograd's zeros would be plain).
         """
         params = self.params
         num_outputs = self.num_outputs
@@ -235,17 +245,18 @@ class FamilyOps:
             ctx.was_tensor = [isinstance(x, torch.Tensor) for x in inputs]
             if saved:
                 ctx.mark_non_differentiable(*extra)
-                ctx.set_materialize_grads(False)  # no zeros as large as the saved tensors
+            # saved: no zeros as large as the saved tensors; all: see _materialize
+            ctx.set_materialize_grads(False)
 
         def backward_fn(ctx, *grads):
             stored = ctx.saved_tensors
             values = [s if t else p for s, p, t in zip(stored, ctx.plain, ctx.was_tensor)]
             inputs = dict(zip(params, values))
+            grads = self._materialize(values, grads[:num_outputs])
             if saved:
-                grads = self._materialize(values, grads[:num_outputs])
                 found = backward(inputs, grads, stored[len(params):])
             else:
-                found = backward(inputs, list(grads))
+                found = backward(inputs, grads)
             result = tuple(
                 found.get(n) if (n in self.differentiable and inputs[n] is not None) else None
                 for n in params

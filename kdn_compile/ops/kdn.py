@@ -10,6 +10,10 @@ its backward reads (:data:`SAVED`: the gains, the gain scan's covariances and th
 two-key kernels' saved tensors; empty placeholders where a branch has none), kept
 by its autograd and not differentiable: nothing of the forward is run again in the
 backward. :func:`kdn_compile.diag_kdn` returns the first three.
+
+``kdn::mobius_product_reference`` multiplies a run of the covariance's 2x2 Mobius
+maps (:func:`kdn_compile.reference.mobius_product`): context parallelism
+(:mod:`kdn_compile.distributed`) sends each rank's product to the others.
 """
 
 from __future__ import annotations
@@ -205,3 +209,16 @@ def _diag_kdn_backward(inputs, grads, saved):
 
 
 DIAG_KDN.attach_autograd(diag_kdn_op, _diag_kdn_backward, saved=len(SAVED))
+
+
+def _mobius_product_signature(maps: Tensor) -> Tensor: ...
+
+
+def _mobius_product_fake(maps):
+    return maps.new_empty(maps.shape[:1] + maps.shape[2:])
+
+
+MOBIUS_PRODUCT = FamilyOps(
+    "mobius_product", _mobius_product_signature, ref.mobius_product, _mobius_product_fake,
+    differentiable=("maps",),
+)

@@ -25,6 +25,7 @@ from kdn_compile.reference.kdn import (
     OMEGA_MIN,
     R_MIN,
     chunked_memory,
+    covariance_step_maps,
     diag_kdn_chunked,
     diag_kdn_recurrent,
     diag_kdn_reference,
@@ -34,6 +35,7 @@ from kdn_compile.reference.kdn import (
     kalman_gain,
     kalman_noise,
     mask_padding,
+    mobius_product,
     normalize_query_key,
 )
 
@@ -46,4 +48,5 @@ __all__ = [
     "initial_precision_logit", "kalman_noise", "normalize_query_key", "initial_state",
     "mask_padding", "diag_kdn_step", "diag_kdn_recurrent", "kalman_gain",
     "chunked_memory", "diag_kdn_chunked", "diag_kdn_reference",
+    "covariance_step_maps", "mobius_product",
 ]

@@ -42,6 +42,7 @@ __all__ = [
     "LOG_MEMORY_ALPHA_FLOOR", "NORM_EPS", "DEFAULT_CHUNK_SIZE",
     "initial_precision_logit", "kalman_noise", "normalize_query_key", "initial_state",
     "mask_padding", "diag_kdn_step", "diag_kdn_recurrent", "kalman_gain",
+    "covariance_step_maps", "mobius_product",
     "chunked_memory", "diag_kdn_chunked", "diag_kdn_reference",
 ]
 
@@ -178,6 +179,37 @@ def _prefix_products(maps):
     return maps
 
 
+def covariance_step_maps(k, log_alpha, omega, r, *, info_scale: float):
+    """Each token's covariance step as a Mobius map ``(m00, m01, m10, m11)``, each
+    ``[B, T, H, K]``: ``p_t = (m00 p + m01) / (m10 p + m11)`` with ``m00 = alpha^2``,
+    ``m01 = omega``, ``m10 = I alpha^2``, ``m11 = 1 + I omega``, ``I = info_scale k^2 / r``.
+    """
+    alpha_squared = (2.0 * log_alpha).exp()
+    information = info_scale * k.square() / r[..., None]
+    return alpha_squared, omega, information * alpha_squared, 1.0 + information * omega
+
+
+def mobius_product(maps: torch.Tensor) -> torch.Tensor:
+    """The product ``M_T ... M_1`` of the 2x2 maps ``maps [B, T, ..., 4]`` along dim 1.
+
+    Entries are ``(m00, m01, m10, m11)`` on the last dim; the result ``[B, ..., 4]``
+    is rescaled to largest entry magnitude 1 (the Mobius map it stands for is
+    unchanged), the identity when ``T == 0``. Pairs are multiplied level by level, so
+    the work is ``O(T)`` in ``log2(T)`` rounds.
+    """
+    entries = tuple(maps.unbind(-1))
+    identity = (1.0, 0.0, 0.0, 1.0)
+    if maps.shape[1] == 0:
+        return torch.stack([maps.new_full(maps.shape[:1] + maps.shape[2:-1], value)
+                            for value in identity], dim=-1)
+    while entries[0].shape[1] > 1:
+        if entries[0].shape[1] % 2:  # an identity last, as the later factor of the last pair
+            entries = tuple(torch.cat((e, torch.full_like(e[:, :1], value)), dim=1)
+                            for e, value in zip(entries, identity))
+        entries = _compose(tuple(e[:, 1::2] for e in entries), tuple(e[:, 0::2] for e in entries))
+    return torch.stack([e[:, 0] for e in entries], dim=-1)
+
+
 def kalman_gain(k, log_alpha, omega, r, precision, *, info_scale: float):
     """Gains ``kappa [B, T, H, K]`` for every token and the final precision ``[B, H, K]``.
 
@@ -188,9 +220,8 @@ def kalman_gain(k, log_alpha, omega, r, precision, *, info_scale: float):
     k_squared = k.square()
     noise = r[..., None]
     alpha_squared = (2.0 * log_alpha).exp()
-    information = info_scale * k_squared / noise
     m00, m01, m10, m11 = _prefix_products(
-        (alpha_squared, omega, information * alpha_squared, 1.0 + information * omega)
+        covariance_step_maps(k, log_alpha, omega, r, info_scale=info_scale)
     )
     start = precision.reciprocal()[:, None]
     covariance = (m00 * start + m01) / (m10 * start + m11)

@@ -1,0 +1,207 @@
+"""Tensor parallelism over heads: the kdn ops' DTensor rules and tensor_parallel_plan.
+
+Every kdn op has a rule; on 2 gloo processes (reference backend, float32) the ops on
+head-sharded DTensors and the layers sharded by tensor_parallel_plan equal the single
+device, outputs, states and gradients, the layer compiled with fullgraph=True too;
+placements other than heads or replicated are refused by name.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from _distributed import spawn
+from _helpers import delta_inputs, kdn_inputs, rel_error
+
+import kdn_compile
+from kdn_compile.layers import DiagKDN, GatedDeltaNet, KimiDeltaAttention
+
+# head dims of the inputs (states on dim 1, the rest [B, T, H, ...] on dim 2)
+STATES = ("initial_state", "state", "memory", "precision", "state_pool", "memory_pool",
+          "precision_pool")
+
+
+def test_every_kdn_op_has_a_sharding_rule():
+    from torch.distributed.tensor import DTensor
+
+    rules = DTensor._op_dispatcher.sharding_propagator.op_strategy_funcs
+    names = [n for n in torch._C._dispatch_get_all_op_names() if n.startswith("kdn::")]
+    missing = [n for n in names if getattr(torch.ops.kdn, n[5:]).default not in rules]
+    assert len(names) > 30 and not missing, f"no DTensor rule for {missing}"
+
+
+def test_plan_refuses_other_modules():
+    from kdn_compile.distributed import tensor_parallel_plan
+
+    with pytest.raises(TypeError, match="GatedDeltaNet, KimiDeltaAttention or DiagKDN"):
+        tensor_parallel_plan(torch.nn.Linear(4, 4))
+
+
+# -- 2 gloo processes ----------------------------------------------------------------------
+
+
+def _shard(x: dict, mesh, replicated=("cu_seqlens", "state_indices")) -> dict:
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    def place(name):
+        return [Replicate()] if name in replicated else [Shard(1 if name in STATES else 2)]
+
+    return {n: distribute_tensor(t.detach(), mesh, place(n)).requires_grad_(t.requires_grad)
+            for n, t in x.items()}
+
+
+def _full(t):
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _compare(run, x: dict, mesh, errors: dict, case: str):
+    """``run(**inputs)`` on plain tensors and on head-sharded DTensors: relative errors of
+    every output and every gradient."""
+    expected = run(**x)
+    expected = (expected,) if isinstance(expected, torch.Tensor) else expected
+    gen = torch.Generator().manual_seed(2)
+    weights = [torch.randn(o.shape, generator=gen) for o in expected]
+    leaves = [n for n, t in x.items() if t.requires_grad]
+    want = torch.autograd.grad(sum((o * w).sum() for o, w in zip(expected, weights)),
+                               [x[n] for n in leaves]) if leaves else ()
+    d = _shard(x, mesh)
+    found = run(**d)
+    found = (found,) if isinstance(found, torch.Tensor) else found
+    for i, (a, b) in enumerate(zip(found, expected)):
+        errors[f"{case}: output {i}"] = rel_error(_full(a), b)
+    if leaves:
+        loss = sum((_full(o) * w).sum() for o, w in zip(found, weights))
+        got = torch.autograd.grad(loss, [d[n] for n in leaves])
+        for name, a, b in zip(leaves, got, want):
+            errors[f"{case}: d{name}"] = rel_error(_full(a), b)
+
+
+def _ops_cases(mesh, errors):
+    x = delta_inputs(B=2, T=12, Hk=2, Hv=4, K=4, V=4, dtype=torch.float32, requires_grad=True)
+    _compare(lambda **a: kdn_compile.chunk_gdn(**a, chunk_size=4), x, mesh, errors, "chunk_gdn")
+    _compare(lambda **a: kdn_compile.chunk_gdn(**a, chunk_size=4, w_quantizer=lambda w: 0.5 * w),
+             x, mesh, errors, "chunk_gdn w_quantizer")
+    _compare(lambda **a: kdn_compile.recurrent_delta_rule(**a), x, mesh, errors, "recurrent")
+    x = delta_inputs(B=1, T=12, Hk=2, Hv=4, K=4, V=4, N=2, per_key=True, dtype=torch.float32,
+                     requires_grad=True)
+    x["cu_seqlens"] = torch.tensor([0, 5, 12])  # a replicated DTensor when sharded
+    _compare(lambda **a: kdn_compile.chunk_kda(**a, chunk_size=4), x, mesh, errors,
+             "chunk_kda packed")
+    x = kdn_inputs(B=2, T=12, H=2, K=4, V=4, dtype=torch.float32, requires_grad=True)
+    _compare(lambda **a: kdn_compile.diag_kdn(**a, scale=0.5, info_scale=0.7, chunk_size=4), x,
+             mesh, errors, "diag_kdn")
+    gen = torch.Generator().manual_seed(3)  # the same values on every rank
+    state = {"state": torch.randn(3, 4, 8, 128, generator=gen).requires_grad_()}
+    _compare(lambda state: kdn_compile.state_fp8_qdq(state), state, mesh, errors, "fp8 qdq")
+    maps = {"maps": (torch.rand(1, 6, 2, 4, 4, generator=gen) + 0.1).requires_grad_()}
+    _compare(lambda maps: torch.ops.kdn.mobius_product_reference(maps), maps, mesh, errors,
+             "mobius product")
+
+
+def _decode_cases(mesh, errors):
+    """The serving ops write into their pools' own shards."""
+    from kdn_compile import delta_rule_decode, diag_kdn_decode
+
+    x = delta_inputs(B=2, T=1, Hk=2, Hv=4, K=4, V=4, dtype=torch.float32, with_state=False)
+    x["state_pool"] = torch.randn(3, 4, 4, 4, generator=torch.Generator().manual_seed(3))
+    x["state_indices"] = torch.tensor([2, 0])
+    plain, sharded = dict(x, state_pool=x["state_pool"].clone()), _shard(x, mesh)
+    o = delta_rule_decode(**plain)
+    errors["delta_rule_decode: o"] = rel_error(_full(delta_rule_decode(**sharded)), o)
+    errors["delta_rule_decode: pool"] = rel_error(_full(sharded["state_pool"]),
+                                                  plain["state_pool"])
+    y = kdn_inputs(B=2, T=1, H=2, K=4, V=4, dtype=torch.float32)
+    y["memory_pool"], y["precision_pool"] = y.pop("memory").clone(), y.pop("precision").clone()
+    y["state_indices"] = torch.tensor([1, 0])
+    plain, sharded = {n: t.clone() for n, t in y.items()}, _shard(y, mesh)
+    o = diag_kdn_decode(**plain, scale=0.5, info_scale=0.7)
+    found = diag_kdn_decode(**sharded, scale=0.5, info_scale=0.7)
+    errors["diag_kdn_decode: o"] = rel_error(_full(found), o)
+    for pool in ("memory_pool", "precision_pool"):
+        errors[f"diag_kdn_decode: {pool}"] = rel_error(_full(sharded[pool]), plain[pool])
+
+
+def _refusals(mesh):
+    """The messages of placements the rules refuse."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    found = {}
+    x = _shard(delta_inputs(B=2, T=12, Hk=2, Hv=4, K=4, V=4, dtype=torch.float32), mesh)
+    x["q"] = distribute_tensor(_full(x["q"]), mesh, [Shard(1)])  # on time
+    one_head = _shard(delta_inputs(B=2, T=12, Hk=1, Hv=1, K=4, V=4, dtype=torch.float32), mesh)
+    for case, inputs in (("time", x), ("one head", one_head)):
+        try:
+            kdn_compile.chunk_gdn(**inputs, chunk_size=4)
+            found[case] = ""
+        except (RuntimeError, ValueError) as error:
+            found[case] = str(error)
+    return found
+
+
+LAYERS = {"gdn": (GatedDeltaNet, dict(num_v_heads=4)),
+          "kda": (KimiDeltaAttention, dict(num_v_heads=4)), "kdn": (DiagKDN, {})}
+
+
+def _layer_case(mesh, name, compiled, errors):
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from kdn_compile.distributed import tensor_parallel_plan
+
+    cls, options = LAYERS[name]
+    torch.manual_seed(0)
+    layer = cls(32, 2, 8, head_v_dim=8, chunk_size=4, **options)
+    single = copy.deepcopy(layer)
+    gen = torch.Generator().manual_seed(1)
+    x, w = torch.randn(2, 12, 32, generator=gen), torch.randn(2, 12, 32, generator=gen)
+    y, state = single(x)
+    (y * w).sum().backward()
+    parallelize_module(layer, mesh, tensor_parallel_plan(layer))
+
+    def step(x):
+        return (layer(x)[0] * w).sum()
+
+    if compiled:
+        torch._dynamo.reset()
+        step = torch.compile(step, fullgraph=True, backend="aot_eager")
+    step(x).backward()
+    case = f"{name} layer" + (" compiled" if compiled else "")
+    with torch.no_grad():
+        y_tp, state_tp = layer(x)
+    errors[f"{case}: y"] = rel_error(y_tp, y)
+    for key, value in state.items():
+        errors[f"{case}: state {key}"] = rel_error(_full(state_tp[key]), value)
+    for (n, p), (_, q) in zip(layer.named_parameters(), single.named_parameters()):
+        errors[f"{case}: d{n}"] = rel_error(_full(p.grad), q.grad)
+
+
+def two_rank_worker(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    errors: dict = {}
+    _ops_cases(mesh, errors)
+    _decode_cases(mesh, errors)
+    for name in LAYERS:
+        _layer_case(mesh, name, False, errors)
+    _layer_case(mesh, "gdn", True, errors)
+    return {"errors": errors, "refusals": _refusals(mesh)}
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    return spawn(two_rank_worker, 2)
+
+
+def test_sharded_ops_and_layers_equal_one_device(two_ranks):
+    for rank, result in enumerate(two_ranks):
+        worst = {k: e for k, e in result["errors"].items() if not e <= 2e-5}  # float32
+        assert not worst, f"rank {rank}: {worst}"
+        assert len(result["errors"]) > 100
+
+
+def test_other_placements_are_refused(two_ranks):
+    refusals = two_ranks[0]["refusals"]
+    assert "q has placements (Shard(dim=1),); it must be Shard(2)" in refusals["time"]
+    assert "do not split evenly into 2 shards" in refusals["one head"]
