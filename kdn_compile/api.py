@@ -353,7 +353,9 @@ def state_fp8_qdq(state: torch.Tensor, block_v: int = 64) -> torch.Tensor:
     One dynamic scale (``amax / 448``; 1 for an all-zero tile) per
     ``[K, block_v]`` tile, the last tile may be partial; identity
     (straight-through) gradient. Returns a tensor like ``state`` (same shape and
-    dtype). No kernel yet: always ``kdn::state_fp8_qdq_reference``.
+    dtype). On CUDA (backend ``"auto"``) a Triton kernel for float16, bfloat16 and float32
+    states, equal to the reference bit for bit; float64 and the ``"reference"`` backend run
+    ``kdn::state_fp8_qdq_reference``.
 
     Raises:
         TypeError: ``state`` is not a float tensor.
@@ -364,4 +366,5 @@ def state_fp8_qdq(state: torch.Tensor, block_v: int = 64) -> torch.Tensor:
     check_tensor("state", state)
     if state.dim() < 2:
         raise ValueError(f"state must be [..., K, V], got shape {tuple(state.shape)}")
-    return _ops.state_fp8_qdq_reference(state, _block_v(block_v, "block_v"))
+    op = _ops.state_fp8_qdq if prefer_kernels(state.device.type) else _ops.state_fp8_qdq_reference
+    return op(state, _block_v(block_v, "block_v"))

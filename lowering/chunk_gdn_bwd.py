@@ -28,9 +28,10 @@ from torch.library import wrap_triton
 
 from ._launch import dot_precision, fixed_chunk, fixed_sequence, state_tile
 from .chunk_gdn_fwd import (
-    CHUNK, _scale, gdn_layout, gdn_prepare, gdn_recompute_states, recurrence_config,
-    require_gdn_kernels,
+    CHUNK, _scale, gdn_layout, gdn_prepare, gdn_recompute_states, qdq_tile_width,
+    recurrence_config, require_gdn_kernels,
 )
+from .fp8 import dequantize_tile
 
 __all__ = ["chunk_gdn_bwd", "grad_config"]
 
@@ -107,15 +108,25 @@ def _chunk_gdn_bwd_state_kernel(
 
 
 @triton.jit
-def _delta_tile(b_k, b_ai, b_eg, b_el, b_beta, p_s, p_ds, v, do, dv, rows, m_r, i_v,
+def _start_state(p_s, p_sc, o_s, i_v, BV: tl.constexpr, QBV: tl.constexpr):
+    """Value tile ``i_v`` of a chunk's start state: as stored, or (``QBV``, state QDQ) float8
+    with one scale per ``QBV`` columns, dequantized to the float32 tile the forward held."""
+    b_s = tl.load(p_s + o_s)
+    if QBV:
+        b_s = dequantize_tile(b_s, tl.load(p_sc + (i_v * BV) // QBV))
+    return b_s
+
+
+@triton.jit
+def _delta_tile(b_k, b_ai, b_eg, b_el, b_beta, p_s, p_sc, p_ds, v, do, dv, rows, m_r, i_v,
                 H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
-                DOT_PREC: tl.constexpr):
+                QBV: tl.constexpr, DOT_PREC: tl.constexpr):
     """Value tile ``i_v``: ``S``, ``dS'``, ``e^G k S``, ``r = v - e^G k S``, ``delta``,
     ``k~ dS'``, ``do`` and ``dv`` (``v``, ``do``, ``dv`` already offset to the head)."""
     dt = b_k.dtype
     o_tv = rows[:, None] * (H * V) + i_v * BV + tl.arange(0, BV)[None, :]
     o_s = tl.arange(0, K)[:, None] * V + i_v * BV + tl.arange(0, BV)[None, :]
-    b_s = tl.load(p_s + o_s)
+    b_s = _start_state(p_s, p_sc, o_s, i_v, BV, QBV).to(dt)
     b_ds = tl.load(p_ds + o_s)
     b_v = tl.load(v + o_tv, mask=m_r, other=0.0).to(tl.float32)
     b_ks = b_eg[:, None] * tl.dot(b_k, b_s, input_precision=DOT_PREC)
@@ -129,9 +140,11 @@ def _delta_tile(b_k, b_ai, b_eg, b_el, b_beta, p_s, p_ds, v, do, dv, rows, m_r, 
 
 @triton.jit
 def _chunk_gdn_bwd_grad_kernel(
-    q, k, v, gc, beta, ai, aqk, hs, dhs, do, dv, dq, dk, dg0, dg1, dbeta, spans, scale, T,
+    q, k, v, gc, beta, ai, aqk, hs, hs_scales, dhs, do, dv, dq, dk, dg0, dg1, dbeta, spans,
+    scale, T,
     H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
+    QBV: tl.constexpr,
 ):
     """Program ``(chunk, head, role)``: role 0 writes ``dq`` and part of the gate gradient
     (``dg0``), role 1 ``dk``, ``dbeta`` and the rest (``dg1``); both redo ``delta``."""
@@ -162,6 +175,9 @@ def _chunk_gdn_bwd_grad_kernel(
     b_el = tl.exp(b_gl - b_gc)
     p_s = hs + (i_c.to(tl.int64) * H + i_h) * K * V
     p_ds = dhs + (i_c.to(tl.int64) * H + i_h) * K * V
+    p_sc = hs_scales  # float8 start states: their scales
+    if QBV:
+        p_sc = hs_scales + (i_c.to(tl.int64) * H + i_h) * (V // QBV)
     v += i_h * V
     do += i_h * V
     dv += i_h * V
@@ -173,8 +189,8 @@ def _chunk_gdn_bwd_grad_kernel(
         acc_dl = tl.zeros([BT], dtype=tl.float32)  # dG_last, broadcast
         for i_v in range(0, V // BV):
             b_s, b_ds, b_ks, b_r, b_d, b_kds, b_do, b_dv = _delta_tile(
-                b_k, b_ai, b_eg, b_el, b_beta, p_s, p_ds, v, do, dv, rows, m_r, i_v,
-                H, K, V, BV, DOT_PREC)
+                b_k, b_ai, b_eg, b_el, b_beta, p_s, p_sc, p_ds, v, do, dv, rows, m_r, i_v,
+                H, K, V, BV, QBV, DOT_PREC)
             acc_dq = tl.dot(b_do, tl.trans(b_s), acc_dq, input_precision=DOT_PREC)
             acc_dm = tl.dot(b_do, tl.trans(b_d), acc_dm, input_precision=DOT_PREC)
             b_dkds = b_d.to(tl.float32) * b_kds
@@ -196,8 +212,8 @@ def _chunk_gdn_bwd_grad_kernel(
         acc_db = tl.zeros([BT], dtype=tl.float32)
         for i_v in range(0, V // BV):
             b_s, b_ds, b_ks, b_r, b_d, b_kds, b_do, b_dv = _delta_tile(
-                b_k, b_ai, b_eg, b_el, b_beta, p_s, p_ds, v, do, dv, rows, m_r, i_v,
-                H, K, V, BV, DOT_PREC)
+                b_k, b_ai, b_eg, b_el, b_beta, p_s, p_sc, p_ds, v, do, dv, rows, m_r, i_v,
+                H, K, V, BV, QBV, DOT_PREC)
             b_dd = scale * tl.dot(tl.trans(b_m), b_do, input_precision=DOT_PREC) + b_kds
             b_dx = tl.dot(tl.trans(b_ai), b_dd.to(dt), input_precision=DOT_PREC)
             acc_dm = tl.dot(b_do, tl.trans(b_d), acc_dm, input_precision=DOT_PREC)
@@ -240,18 +256,22 @@ def grad_config(k_dim: int, v_dim: int, dtype: torch.dtype) -> tuple[int, int, i
 
 
 def chunk_gdn_bwd(q, k, v, g, beta, initial_state, cu_seqlens, do, dht, *,
-                  chunk_size, scale, state_v_first, prepared=None):
+                  chunk_size, scale, state_v_first, state_qdq=False, state_qdq_block_v=64,
+                  prepared=None):
     """Gradients of :func:`chunk_gdn_fwd` for ``do`` (like ``o``) and ``dht`` (like the final state).
 
-    Inputs as :func:`chunk_gdn_fwd`; ``prepared`` is its ``(gc, ai, aqk)`` or None
-    (then the prepare kernel runs again); the chunk states are recomputed either
-    way. ``dht`` may be None (zero). Returns
+    Inputs as :func:`chunk_gdn_fwd`; ``prepared`` is its ``(gc, ai, aqk, hs, hs_scales)``
+    or None (then the prepare kernel runs again); the chunk start states are recomputed
+    unless given (``hs`` not None: the float8 states of ``state_qdq``). With
+    ``state_qdq`` the gradient passes each QDQ unchanged (straight-through), so only the
+    start states differ. ``dht`` may be None (zero). Returns
     ``(dq, dk, dv, dg, dbeta, dh0)`` in the dtypes of
     ``q, k, v, g, beta, initial_state``; ``dh0`` is None without an initial state.
     Raises ValueError for inputs that
     :func:`~.chunk_gdn_fwd.gdn_kernel_supports` does not cover.
     """
-    require_gdn_kernels(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size)
+    require_gdn_kernels(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size,
+                        state_qdq=state_qdq, state_qdq_block_v=state_qdq_block_v)
     q, k, v, g, beta, do = (t.contiguous() for t in (q, k, v, g, beta, do))
     if initial_state is not None:
         initial_state = initial_state.contiguous()
@@ -262,14 +282,17 @@ def chunk_gdn_bwd(q, k, v, g, beta, initial_state, cu_seqlens, do, dht, *,
     varlen = cu_seqlens is not None
     prec = dot_precision(k.dtype)
     scale = _scale(scale, q)
+    qdq_width = qdq_tile_width(dk_, dv_, state_qdq_block_v, k.dtype) if state_qdq else 0
 
     if prepared is None:
-        prepared = gdn_prepare(q, k, g, beta, cu_seqlens, layout)
-    gc, ai, aqk = prepared
-    hs = gdn_recompute_states(k, v, gc, beta, ai, initial_state, cu_seqlens, layout,
-                              state_v_first=state_v_first)
+        prepared = (*gdn_prepare(q, k, g, beta, cu_seqlens, layout), None, None)
+    gc, ai, aqk, hs, hs_scales = prepared
+    if hs is None:
+        hs, hs_scales = gdn_recompute_states(
+            k, v, gc, beta, ai, initial_state, cu_seqlens, layout,
+            state_v_first=state_v_first, qdq_block_v=state_qdq_block_v if state_qdq else 0)
     tile, stages, warps = recurrence_config(dk_, dv_, k.dtype, n * hv, v.device)
-    dhs = torch.empty_like(hs)
+    dhs = k.new_empty(hs.shape)
     dv = torch.empty_like(v)
     dh0 = None
     if initial_state is not None:
@@ -290,10 +313,10 @@ def chunk_gdn_bwd(q, k, v, g, beta, initial_state, cu_seqlens, do, dht, *,
     dbeta = torch.empty(beta.shape, dtype=beta.dtype, device=beta.device)
     tile, stages, warps = grad_config(dk_, dv_, k.dtype)
     wrap_triton(_chunk_gdn_bwd_grad_kernel)[(bound, hv, 2)](
-        q, k, v, gc, beta, ai, aqk, hs, dhs, do, dv, dq, dk, dg[0], dg[1], dbeta, spans, scale,
-        length,
+        q, k, v, gc, beta, ai, aqk, hs, hs_scales, dhs, do, dv, dq, dk, dg[0], dg[1], dbeta,
+        spans, scale, length,
         H=hv, HK=hk, K=dk_, V=dv_, BT=CHUNK, BV=tile,
-        IS_VARLEN=varlen, DOT_PREC=prec, num_warps=warps, num_stages=stages,
+        IS_VARLEN=varlen, DOT_PREC=prec, QBV=qdq_width, num_warps=warps, num_stages=stages,
     )
     dg = (dg[0] + dg[1]).to(g.dtype)
     if grouped:

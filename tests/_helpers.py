@@ -64,7 +64,7 @@ def kdn_inputs(B=2, T=29, H=2, K=8, V=6, *, dtype=torch.float64, requires_grad=F
 
 
 LAUNCHER_MODULES = ("chunk_gdn_fwd", "chunk_gdn_bwd", "two_key_fwd", "two_key_bwd", "kalman_gain",
-                    "recurrent", "slots")
+                    "recurrent", "slots", "fp8")
 
 
 def launcher_modules():

@@ -2,8 +2,8 @@
 
 ``python tests/_trace_kernel_path.py export`` exports the GDN, KDA and Diag-KDN layers
 with a dynamic length and prints ``exported`` and the ``kdn`` ops of each graph.
-``python tests/_trace_kernel_path.py {gdn,gain,kda,kdn}`` compiles a call of the op
-``kdn::chunk_gdn`` (``gdn``), ``kdn::diag_kdn`` (gain kernels, memory by the reference math: ``gain``),
+``python tests/_trace_kernel_path.py {gdn,gdn-qdq,gain,kda,kdn}`` compiles a call of the op
+``kdn::chunk_gdn`` (``gdn``; ``gdn-qdq`` with FP8 state QDQ), ``kdn::diag_kdn`` (gain kernels, memory by the reference math: ``gain``),
 ``kdn::chunk_kda`` (``kda``) or ``kdn::diag_kdn`` with the memory on the two-key
 kernels (``kdn``), all its outputs returned as opcheck's AOT-dispatch test does, with
 ``fullgraph=True, dynamic=True`` through AOTAutograd: the op's saved outputs,
@@ -72,12 +72,12 @@ def main(which: str) -> None:
             raise _Captured
         return run
 
-    if which == "gdn":
+    if which in ("gdn", "gdn-qdq"):  # gdn-qdq: FP8 state QDQ, the float8 states saved
         x = delta_inputs(B=2, T=70, Hk=1, Hv=2, K=16, V=16, dtype=torch.float32)
 
         def step(q, k, v, g, beta, initial_state):
             return torch.ops.kdn.chunk_gdn(q, k, v, g, beta, initial_state, None, 64, 0.25,
-                                           False, False, 64)
+                                           False, which == "gdn-qdq", 64)
     elif which == "kda":
         x = delta_inputs(B=2, T=70, Hk=1, Hv=2, K=16, V=16, per_key=True, dtype=torch.float32)
 

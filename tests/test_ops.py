@@ -56,6 +56,9 @@ def _opcheck_cases():
              (g["k"], g["v"], g["g"], g["beta"], cu, 8)),
             (f"state_fp8_qdq-{tag}", ops.state_fp8_qdq_reference.default,
              (torch.randn(2, 4, 10, dtype=torch.float64, requires_grad=grad), 4)),
+            # float32: the kernel eagerly (CUDA; the interpreter), the reference traced
+            (f"state_fp8_qdq_kernel_op-{tag}", ops.state_fp8_qdq.default,
+             (torch.randn(2, 4, 10, requires_grad=grad), 4)),
             (f"recurrent_kernel_op-{tag}", ops.recurrent_delta_rule.default,
              _kda_args(gk, cu)[:7] + (0.35, False)),
         ]
