@@ -144,16 +144,20 @@ def chunk_gdn(
     check_flag("state_qdq", state_qdq)
     scale, block_v, chunk_size = _scale(scale, q), _block_v(state_qdq_block_v), int(chunk_size)
     cu_seqlens = _contiguous(cu_seqlens)
+    kernels = prefer_kernels(q.device.type)
     if w_quantizer is not None:
-        w, u = _ops.gdn_wy_operands_reference(k, v, g, beta, cu_seqlens, chunk_size)
+        # The kernel ops append the tensors their backward reuses: not for the caller.
+        operands = _ops.gdn_wy_operands if kernels else _ops.gdn_wy_operands_reference
+        w, u, *_ = operands(k, v, g, beta, cu_seqlens, chunk_size)
         quantized = w_quantizer(w)
         _check_w(quantized, w)
-        w = quantized
-        return _ops.gdn_wy_recurrence_reference(
-            q, k, w, u, g, initial_state, cu_seqlens, chunk_size, scale,
+        recurrence = _ops.gdn_wy_recurrence if kernels else _ops.gdn_wy_recurrence_reference
+        o, final_state, *_ = recurrence(
+            q, k, quantized, u, g, initial_state, cu_seqlens, chunk_size, scale,
             state_v_first, state_qdq, block_v,
         )
-    op = _ops.chunk_gdn if prefer_kernels(q.device.type) else _ops.chunk_gdn_reference
+        return o, final_state
+    op = _ops.chunk_gdn if kernels else _ops.chunk_gdn_reference
     # kdn::chunk_gdn appends the tensors its backward reuses: not for the caller.
     o, final_state, *_ = op(
         q, k, v, g, beta, initial_state, cu_seqlens, chunk_size, scale,

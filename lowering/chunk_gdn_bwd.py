@@ -33,7 +33,7 @@ from .chunk_gdn_fwd import (
 )
 from .fp8 import dequantize_tile
 
-__all__ = ["chunk_gdn_bwd", "grad_config"]
+__all__ = ["chunk_gdn_bwd", "gdn_state_grads", "grad_config", "key_grads", "sum_groups"]
 
 
 @triton.jit
@@ -44,10 +44,11 @@ def _decay(b_gc, m):
 
 @triton.jit
 def _chunk_gdn_bwd_state_kernel(
-    q, k, gc, beta, ai, aqk, do, dv, dht, dh0, dhs, cu_seqlens, offsets, scale, T,
+    q, k, gc, beta, ai, aqk, w, do, dv, dht, dh0, dhs, cu_seqlens, offsets, scale, T,
     H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BV: tl.constexpr, HAS_DHT: tl.constexpr, HAS_H0: tl.constexpr,
     STATE_V_FIRST: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
+    WY: tl.constexpr,
 ):
     scale = tl.cast(scale, tl.float32)  # Inductor passes Python floats as fp64
     i_nh, i_v = tl.program_id(0), tl.program_id(1)
@@ -69,8 +70,11 @@ def _chunk_gdn_bwd_state_kernel(
     do += (bos * H + i_h) * V
     dv += (bos * H + i_h) * V
     gc += bos * H + i_h
-    beta += bos * H + i_h
-    ai += (bos * H + i_h) * BT
+    if WY:
+        w += (bos * H + i_h) * K
+    else:
+        beta += bos * H + i_h
+        ai += (bos * H + i_h) * BT
     aqk += (bos * H + i_h) * BT
     o_t = tl.arange(0, BT)
     o_k = tl.arange(0, K)
@@ -87,22 +91,30 @@ def _chunk_gdn_bwd_state_kernel(
         b_k = tl.load(k + rows[:, None] * (HK * K) + o_k[None, :], mask=m_r, other=0.0)
         b_do = tl.load(do + rows[:, None] * (H * V) + o_v[None, :], mask=m_r, other=0.0)
         b_m = tl.load(aqk + rows[:, None] * (H * BT) + o_t[None, :], mask=m_r, other=0.0)
-        b_ai = tl.load(ai + rows[:, None] * (H * BT) + o_t[None, :], mask=m_r, other=0.0)
         b_gc = tl.load(gc + tl.minimum(rows, last) * H)
         b_gl = tl.load(gc + last * H)
-        b_beta = tl.load(beta + rows * H, mask=rows < length, other=0.0).to(tl.float32)
         b_eg = tl.exp(b_gc)[:, None]
-        # ddelta = scale M^T do + e^{G_last - G} (k dS'); dv = beta Ai^T ddelta
+        # ddelta = scale M^T do + e^{G_last - G} (k dS')
         b_dd = scale * tl.dot(tl.trans(b_m), b_do.to(dt), input_precision=DOT_PREC)
         b_dd += tl.exp(b_gl - b_gc)[:, None] * tl.dot(b_k, b_dh.to(dt), input_precision=DOT_PREC)
-        b_dx = tl.dot(tl.trans(b_ai), b_dd.to(dt), input_precision=DOT_PREC)
-        b_dv = (b_beta[:, None] * b_dx).to(dt)
-        tl.store(dv + rows[:, None] * (H * V) + o_v[None, :], b_dv.to(dv.dtype.element_ty), mask=m_r)
-        # dS = e^{G_last} dS' + scale q^T (e^G do) - k^T (e^G dv)
+        if WY:  # delta = U - W S: dU = ddelta (in dv), and -W^T ddelta into dS
+            tl.store(dv + rows[:, None] * (H * V) + o_v[None, :], b_dd.to(dv.dtype.element_ty),
+                     mask=m_r)
+            b_w = tl.load(w + rows[:, None] * (H * K) + o_k[None, :], mask=m_r, other=0.0)
+            b_wd = tl.dot(tl.trans(b_w.to(dt)), b_dd.to(dt), input_precision=DOT_PREC)
+        else:  # dv = beta Ai^T ddelta, and -k^T (e^G dv) into dS
+            b_ai = tl.load(ai + rows[:, None] * (H * BT) + o_t[None, :], mask=m_r, other=0.0)
+            b_beta = tl.load(beta + rows * H, mask=rows < length, other=0.0).to(tl.float32)
+            b_dx = tl.dot(tl.trans(b_ai), b_dd.to(dt), input_precision=DOT_PREC)
+            b_dv = (b_beta[:, None] * b_dx).to(dt)
+            tl.store(dv + rows[:, None] * (H * V) + o_v[None, :], b_dv.to(dv.dtype.element_ty),
+                     mask=m_r)
+            b_wd = tl.dot(tl.trans(b_k), (b_eg * b_dv).to(dt), input_precision=DOT_PREC)
+        # dS = e^{G_last} dS' + scale q^T (e^G do) - W^T ddelta
         b_q = tl.load(q + rows[:, None] * (HK * K) + o_k[None, :], mask=m_r, other=0.0)
         b_dh = b_dh * tl.exp(b_gl)
         b_dh += tl.dot(tl.trans(b_q), (scale * b_eg * b_do).to(dt), input_precision=DOT_PREC)
-        b_dh -= tl.dot(tl.trans(b_k), (b_eg * b_dv).to(dt), input_precision=DOT_PREC)
+        b_dh -= b_wd
     if HAS_H0:
         tl.store(dh0 + i_nh.to(tl.int64) * K * V + state_tile(i_v, K, V, BV, STATE_V_FIRST), b_dh)
 
@@ -279,8 +291,6 @@ def chunk_gdn_bwd(q, k, v, g, beta, initial_state, cu_seqlens, do, dht, *,
         dht = dht.contiguous()
     layout = gdn_layout(q, v, cu_seqlens)
     batch, length, n, hk, hv, dk_, dv_, bound, offsets, spans = layout
-    varlen = cu_seqlens is not None
-    prec = dot_precision(k.dtype)
     scale = _scale(scale, q)
     qdq_width = qdq_tile_width(dk_, dv_, state_qdq_block_v, k.dtype) if state_qdq else 0
 
@@ -291,38 +301,61 @@ def chunk_gdn_bwd(q, k, v, g, beta, initial_state, cu_seqlens, do, dht, *,
         hs, hs_scales = gdn_recompute_states(
             k, v, gc, beta, ai, initial_state, cu_seqlens, layout,
             state_v_first=state_v_first, qdq_block_v=state_qdq_block_v if state_qdq else 0)
-    tile, stages, warps = recurrence_config(dk_, dv_, k.dtype, n * hv, v.device)
-    dhs = k.new_empty(hs.shape)
-    dv = torch.empty_like(v)
-    dh0 = None
-    if initial_state is not None:
-        dh0 = torch.empty(initial_state.shape, dtype=torch.float32, device=v.device)
-    wrap_triton(_chunk_gdn_bwd_state_kernel)[(n * hv, dv_ // tile)](
-        q, k, gc, beta, ai, aqk, do, dv, dht, dh0, dhs, cu_seqlens, offsets, scale, length,
-        H=hv, HK=hk, K=dk_, V=dv_, BT=CHUNK, BV=tile,
-        HAS_DHT=dht is not None, HAS_H0=initial_state is not None,
-        STATE_V_FIRST=state_v_first, IS_VARLEN=varlen, DOT_PREC=prec,
-        num_warps=warps, num_stages=stages,
-    )
-
-    grouped = hv != hk
-    grad_dtype = torch.float32 if grouped else q.dtype
-    dq = q.new_empty((batch, length, hv, dk_), dtype=grad_dtype)
-    dk = k.new_empty((batch, length, hv, dk_), dtype=grad_dtype)
+    dv, dhs, dh0 = gdn_state_grads(q, k, gc, beta, ai, aqk, v, do, dht, initial_state,
+                                   cu_seqlens, layout, scale=scale, state_v_first=state_v_first,
+                                   hs_shape=hs.shape)
+    dq, dk = key_grads(q, hv)
     dg = torch.empty((2,) + tuple(g.shape), dtype=torch.float32, device=g.device)
     dbeta = torch.empty(beta.shape, dtype=beta.dtype, device=beta.device)
     tile, stages, warps = grad_config(dk_, dv_, k.dtype)
     wrap_triton(_chunk_gdn_bwd_grad_kernel)[(bound, hv, 2)](
         q, k, v, gc, beta, ai, aqk, hs, hs_scales, dhs, do, dv, dq, dk, dg[0], dg[1], dbeta,
         spans, scale, length,
-        H=hv, HK=hk, K=dk_, V=dv_, BT=CHUNK, BV=tile,
-        IS_VARLEN=varlen, DOT_PREC=prec, QBV=qdq_width, num_warps=warps, num_stages=stages,
+        H=hv, HK=hk, K=dk_, V=dv_, BT=CHUNK, BV=tile, IS_VARLEN=cu_seqlens is not None,
+        DOT_PREC=dot_precision(k.dtype), QBV=qdq_width, num_warps=warps, num_stages=stages,
     )
     dg = (dg[0] + dg[1]).to(g.dtype)
-    if grouped:
-        group = hv // hk
-        dq = dq.view(batch, length, hk, group, dk_).sum(3).to(q.dtype)
-        dk = dk.view(batch, length, hk, group, dk_).sum(3).to(k.dtype)
+    dq, dk = sum_groups(dq, q), sum_groups(dk, k)
     if dh0 is not None and dh0.dtype != initial_state.dtype:
         dh0 = dh0.to(initial_state.dtype)
     return dq, dk, dv, dg, dbeta, dh0
+
+
+def gdn_state_grads(q, k, gc, beta, ai, aqk, v, do, dht, initial_state, cu_seqlens, layout, *,
+                    scale, state_v_first, hs_shape, w=None):
+    """Launch the state-gradient pass: ``(dv, dhs, dh0)``, ``dv`` like ``v``, each chunk's
+    end-state gradient ``dhs`` (``hs_shape``, ``k``'s dtype) and ``dh0`` (float32, None
+    without an initial state). ``w``: the WY operands given (``v`` is ``U``, ``dv`` its
+    gradient; ``beta`` and ``ai`` unused)."""
+    batch, length, n, hk, hv, dk_, dv_, bound, offsets, _ = layout
+    tile, stages, warps = recurrence_config(dk_, dv_, k.dtype, n * hv, v.device)
+    dhs = k.new_empty(hs_shape)
+    dv = torch.empty_like(v)
+    dh0 = None
+    if initial_state is not None:
+        dh0 = torch.empty(initial_state.shape, dtype=torch.float32, device=v.device)
+    wrap_triton(_chunk_gdn_bwd_state_kernel)[(n * hv, dv_ // tile)](
+        q, k, gc, beta, ai, aqk, w, do, dv, dht, dh0, dhs, cu_seqlens, offsets, scale, length,
+        H=hv, HK=hk, K=dk_, V=dv_, BT=CHUNK, BV=tile,
+        HAS_DHT=dht is not None, HAS_H0=initial_state is not None,
+        STATE_V_FIRST=state_v_first, IS_VARLEN=cu_seqlens is not None,
+        DOT_PREC=dot_precision(k.dtype), WY=w is not None, num_warps=warps, num_stages=stages,
+    )
+    return dv, dhs, dh0
+
+
+def key_grads(q, value_heads):
+    """Uninitialised per-value-head ``dq``, ``dk`` ``[B, T, Hv, K]``: in ``q``'s dtype, or
+    float32 for grouped heads (summed over each group by :func:`sum_groups`)."""
+    dtype = q.dtype if q.shape[2] == value_heads else torch.float32
+    shape = q.shape[:2] + (value_heads, q.shape[3])
+    return q.new_empty(shape, dtype=dtype), q.new_empty(shape, dtype=dtype)
+
+
+def sum_groups(grad, like):
+    """A per-value-head gradient ``[B, T, Hv, K]`` summed into ``like``'s key heads, in
+    ``like``'s dtype."""
+    b, t, hk, dk = like.shape
+    if grad.shape[2] == hk:
+        return grad
+    return grad.view(b, t, hk, grad.shape[2] // hk, dk).sum(3).to(like.dtype)

@@ -194,7 +194,8 @@ def _dot32(a, b):
 def _chunk_gdn_prepare_kernel(
     q, k, g, beta, gc, ai, aqk, scratch, spans, T,
     H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-    IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
+    IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, WITH_M: tl.constexpr,
+    WITH_AI: tl.constexpr,
 ):
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     if IS_VARLEN:  # index loads in the kernel body: see _launch.py
@@ -218,48 +219,51 @@ def _chunk_gdn_prepare_kernel(
     # M = (q k^T) exp(G_i - G_j), j <= i
     m_lower = o_t[:, None] >= o_t[None, :]
     b_d = tl.exp(tl.where(m_lower, b_gc[:, None] - b_gc[None, :], float("-inf")))
-    b_m = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC) * b_d
-    tl.store(aqk + o_m, b_m.to(aqk.dtype.element_ty), mask=m_r[:, None])
-    # A = beta_i (k_i . k_j) exp(G_i - G_j), j < i, float32, through the scratch buffer
-    b_a = tl.dot(b_k, tl.trans(b_k), input_precision=DOT_PREC) * b_d
-    b_a = tl.where(o_t[:, None] > o_t[None, :], b_beta[:, None] * b_a, 0.0)
-    tl.store(scratch + o_m, b_a, mask=m_r[:, None])
-    tl.debug_barrier()
+    if WITH_M:
+        b_m = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC) * b_d
+        tl.store(aqk + o_m, b_m.to(aqk.dtype.element_ty), mask=m_r[:, None])
+    if WITH_AI:
+        # A = beta_i (k_i . k_j) exp(G_i - G_j), j < i, float32, through the scratch buffer
+        b_a = tl.dot(b_k, tl.trans(b_k), input_precision=DOT_PREC) * b_d
+        b_a = tl.where(o_t[:, None] > o_t[None, :], b_beta[:, None] * b_a, 0.0)
+        tl.store(scratch + o_m, b_a, mask=m_r[:, None])
+        tl.debug_barrier()
 
-    # (I + A)^-1 in 16 x 16 blocks: diagonal blocks by inv_unit_lower, then block products
-    scratch += i_h * BT
-    ai += i_h * BT
-    r1 = t0 + tl.arange(0, BC)
-    r2 = r1 + BC
-    r3 = r2 + BC
-    r4 = r3 + BC
-    b_i11 = inv_unit_lower(_load_block(scratch, r1, eos, 0, H, BT, BC))
-    _store_block(ai, b_i11, r1, eos, 0, H, BT)
-    b_i22 = inv_unit_lower(_load_block(scratch, r2, eos, BC, H, BT, BC))
-    b_a21 = _load_block(scratch, r2, eos, 0, H, BT, BC)
-    b_i21 = -_dot32(_dot32(b_i22, b_a21), b_i11)
-    _store_block(ai, b_i21, r2, eos, 0, H, BT)
-    _store_block(ai, b_i22, r2, eos, BC, H, BT)
-    b_i33 = inv_unit_lower(_load_block(scratch, r3, eos, 2 * BC, H, BT, BC))
-    b_a31 = _load_block(scratch, r3, eos, 0, H, BT, BC)
-    b_a32 = _load_block(scratch, r3, eos, BC, H, BT, BC)
-    b_i32 = -_dot32(_dot32(b_i33, b_a32), b_i22)
-    b_i31 = -_dot32(b_i33, _dot32(b_a31, b_i11) + _dot32(b_a32, b_i21))
-    _store_block(ai, b_i31, r3, eos, 0, H, BT)
-    _store_block(ai, b_i32, r3, eos, BC, H, BT)
-    _store_block(ai, b_i33, r3, eos, 2 * BC, H, BT)
-    b_i44 = inv_unit_lower(_load_block(scratch, r4, eos, 3 * BC, H, BT, BC))
-    b_a41 = _load_block(scratch, r4, eos, 0, H, BT, BC)
-    b_a42 = _load_block(scratch, r4, eos, BC, H, BT, BC)
-    b_a43 = _load_block(scratch, r4, eos, 2 * BC, H, BT, BC)
-    b_i43 = -_dot32(_dot32(b_i44, b_a43), b_i33)
-    b_i42 = -_dot32(b_i44, _dot32(b_a42, b_i22) + _dot32(b_a43, b_i32))
-    b_i41 = -_dot32(b_i44, _dot32(b_a41, b_i11) + _dot32(b_a42, b_i21) + _dot32(b_a43, b_i31))
-    _store_block(ai, b_i41, r4, eos, 0, H, BT)
-    _store_block(ai, b_i42, r4, eos, BC, H, BT)
-    _store_block(ai, b_i43, r4, eos, 2 * BC, H, BT)
-    _store_block(ai, b_i44, r4, eos, 3 * BC, H, BT)
-    _store_upper_zeros(ai, r1, r2, r3, eos, H, BT, BC)
+        # (I + A)^-1 in 16 x 16 blocks: diagonal blocks by inv_unit_lower, then block products
+        scratch += i_h * BT
+        ai += i_h * BT
+        r1 = t0 + tl.arange(0, BC)
+        r2 = r1 + BC
+        r3 = r2 + BC
+        r4 = r3 + BC
+        b_i11 = inv_unit_lower(_load_block(scratch, r1, eos, 0, H, BT, BC))
+        _store_block(ai, b_i11, r1, eos, 0, H, BT)
+        b_i22 = inv_unit_lower(_load_block(scratch, r2, eos, BC, H, BT, BC))
+        b_a21 = _load_block(scratch, r2, eos, 0, H, BT, BC)
+        b_i21 = -_dot32(_dot32(b_i22, b_a21), b_i11)
+        _store_block(ai, b_i21, r2, eos, 0, H, BT)
+        _store_block(ai, b_i22, r2, eos, BC, H, BT)
+        b_i33 = inv_unit_lower(_load_block(scratch, r3, eos, 2 * BC, H, BT, BC))
+        b_a31 = _load_block(scratch, r3, eos, 0, H, BT, BC)
+        b_a32 = _load_block(scratch, r3, eos, BC, H, BT, BC)
+        b_i32 = -_dot32(_dot32(b_i33, b_a32), b_i22)
+        b_i31 = -_dot32(b_i33, _dot32(b_a31, b_i11) + _dot32(b_a32, b_i21))
+        _store_block(ai, b_i31, r3, eos, 0, H, BT)
+        _store_block(ai, b_i32, r3, eos, BC, H, BT)
+        _store_block(ai, b_i33, r3, eos, 2 * BC, H, BT)
+        b_i44 = inv_unit_lower(_load_block(scratch, r4, eos, 3 * BC, H, BT, BC))
+        b_a41 = _load_block(scratch, r4, eos, 0, H, BT, BC)
+        b_a42 = _load_block(scratch, r4, eos, BC, H, BT, BC)
+        b_a43 = _load_block(scratch, r4, eos, 2 * BC, H, BT, BC)
+        b_i43 = -_dot32(_dot32(b_i44, b_a43), b_i33)
+        b_i42 = -_dot32(b_i44, _dot32(b_a42, b_i22) + _dot32(b_a43, b_i32))
+        b_i41 = -_dot32(b_i44, _dot32(b_a41, b_i11) + _dot32(b_a42, b_i21)
+                        + _dot32(b_a43, b_i31))
+        _store_block(ai, b_i41, r4, eos, 0, H, BT)
+        _store_block(ai, b_i42, r4, eos, BC, H, BT)
+        _store_block(ai, b_i43, r4, eos, 2 * BC, H, BT)
+        _store_block(ai, b_i44, r4, eos, 3 * BC, H, BT)
+        _store_upper_zeros(ai, r1, r2, r3, eos, H, BT, BC)
 
 
 # -------------------------------------------------------------------------------------------
@@ -283,11 +287,11 @@ def _qdq_state(b_h, hs, hs_scales, chunk, remaining, i_h, i_v, H: tl.constexpr,
 
 @triton.jit
 def _chunk_gdn_fwd_kernel(
-    q, k, v, gc, beta, ai, aqk, o, h0, ht, hs, hs_scales, cu_seqlens, offsets, scale, T,
+    q, k, v, gc, beta, ai, aqk, w, o, h0, ht, hs, hs_scales, cu_seqlens, offsets, scale, T,
     H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BV: tl.constexpr, HAS_H0: tl.constexpr, RECOMPUTE: tl.constexpr,
     STATE_V_FIRST: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
-    STATE_QDQ: tl.constexpr, SOFT_CAST: tl.constexpr,
+    STATE_QDQ: tl.constexpr, SOFT_CAST: tl.constexpr, WY: tl.constexpr,
 ):
     scale = tl.cast(scale, tl.float32)  # Inductor passes Python floats as fp64
     i_nh, i_v = tl.program_id(0), tl.program_id(1)
@@ -311,9 +315,13 @@ def _chunk_gdn_fwd_kernel(
     k += (bos * HK + i_hk) * K
     v += (bos * H + i_h) * V
     gc += bos * H + i_h
-    beta += bos * H + i_h
-    ai += (bos * H + i_h) * BT
-    aqk += (bos * H + i_h) * BT
+    if WY:
+        w += (bos * H + i_h) * K
+    else:
+        beta += bos * H + i_h
+        ai += (bos * H + i_h) * BT
+    if not RECOMPUTE:
+        aqk += (bos * H + i_h) * BT
     length = eos - bos
     o_k = tl.arange(0, K)
     o_v = i_v * BV + tl.arange(0, BV)
@@ -326,15 +334,18 @@ def _chunk_gdn_fwd_kernel(
         last = tl.minimum(i_t * BT + BT, length) - 1
         b_k = tl.load(k + rows[:, None] * (HK * K) + o_k[None, :], mask=m_r, other=0.0)
         b_v = tl.load(v + rows[:, None] * (H * V) + o_v[None, :], mask=m_r, other=0.0)
-        b_ai = tl.load(ai + rows[:, None] * (H * BT) + o_t[None, :], mask=m_r, other=0.0)
         b_gc = tl.load(gc + tl.minimum(rows, last) * H)
         b_gl = tl.load(gc + last * H)
-        b_beta = tl.load(beta + rows * H, mask=rows < length, other=0.0).to(tl.float32)
         b_hc = b_h.to(dt)
-        # delta = Ai (beta (v - e^G (k S)))
-        b_ks = tl.dot(b_k, b_hc, input_precision=DOT_PREC)
-        b_x = b_beta[:, None] * (b_v.to(tl.float32) - tl.exp(b_gc)[:, None] * b_ks)
-        b_d = tl.dot(b_ai, b_x.to(dt), input_precision=DOT_PREC)
+        if WY:  # delta = U - W S: W and U given (v holds U)
+            b_w = tl.load(w + rows[:, None] * (H * K) + o_k[None, :], mask=m_r, other=0.0)
+            b_d = b_v.to(tl.float32) - tl.dot(b_w.to(dt), b_hc, input_precision=DOT_PREC)
+        else:  # delta = Ai (beta (v - e^G (k S)))
+            b_ai = tl.load(ai + rows[:, None] * (H * BT) + o_t[None, :], mask=m_r, other=0.0)
+            b_beta = tl.load(beta + rows * H, mask=rows < length, other=0.0).to(tl.float32)
+            b_ks = tl.dot(b_k, b_hc, input_precision=DOT_PREC)
+            b_x = b_beta[:, None] * (b_v.to(tl.float32) - tl.exp(b_gc)[:, None] * b_ks)
+            b_d = tl.dot(b_ai, b_x.to(dt), input_precision=DOT_PREC)
         if not RECOMPUTE:
             b_q = tl.load(q + rows[:, None] * (HK * K) + o_k[None, :], mask=m_r, other=0.0)
             b_m = tl.load(aqk + rows[:, None] * (H * BT) + o_t[None, :], mask=m_r, other=0.0)
@@ -352,28 +363,32 @@ def _chunk_gdn_fwd_kernel(
         tl.store(ht + i_nh.to(tl.int64) * K * V + state_tile(i_v, K, V, BV, STATE_V_FIRST), b_h)
 
 
-def gdn_prepare(q, k, g, beta, cu_seqlens, layout):
+def gdn_prepare(q, k, g, beta, cu_seqlens, layout, *, with_m=True, with_ai=True):
     """Launch the prepare kernel: ``(G, Ai, M)``; ``G`` float32 ``[B, T, Hv]``, ``Ai`` and
-    ``M`` ``[B, T, Hv, 64]`` in ``k``'s dtype (row ``t`` of its chunk's matrix)."""
+    ``M`` ``[B, T, Hv, 64]`` in ``k``'s dtype (row ``t`` of its chunk's matrix). Without
+    ``with_m`` (``q`` unused) or ``with_ai`` (``beta`` may be None) that one is None."""
     batch, length, n, hk, hv, dk, _, bound, _, spans = layout
     gc = torch.empty(g.shape, dtype=torch.float32, device=g.device)
-    ai = k.new_empty((batch, length, hv, CHUNK))
-    aqk = k.new_empty((batch, length, hv, CHUNK))
-    scratch = torch.empty((batch, length, hv, CHUNK), dtype=torch.float32, device=k.device)
+    ai = k.new_empty((batch, length, hv, CHUNK)) if with_ai else None
+    aqk = k.new_empty((batch, length, hv, CHUNK)) if with_m else None
+    scratch = (torch.empty((batch, length, hv, CHUNK), dtype=torch.float32, device=k.device)
+               if with_ai else None)
     wrap_triton(_chunk_gdn_prepare_kernel)[(bound, hv)](
-        q, k, g, beta, gc, ai, aqk, scratch, spans, length,
+        k if q is None else q, k, g, g if beta is None else beta,  # (read, unused)
+        gc, ai, aqk, scratch, spans, length,
         H=hv, HK=hk, K=dk, BT=CHUNK, BC=_SUB,
         IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(k.dtype),
-        num_warps=4,
+        WITH_M=with_m, WITH_AI=with_ai, num_warps=4,
     )
     return gc, ai, aqk
 
 
 def _recurrence(q, k, v, gc, beta, ai, aqk, initial_state, cu_seqlens, layout, *,
-                scale, state_v_first, recompute, qdq_block_v=0):
+                scale, state_v_first, recompute, qdq_block_v=0, w=None):
     """The recurrence kernel: ``(o, ht, hs, hs_scales)``. ``recompute``: no ``o`` and ``ht``,
     the start state of every chunk in ``hs``. ``qdq_block_v > 0``: state QDQ, one program
-    per scale tile, and ``hs`` (saved on either path) float8 with its ``hs_scales``."""
+    per scale tile, and ``hs`` (saved on either path) float8 with its ``hs_scales``.
+    ``w``: the WY operands given, ``W`` and ``U`` in ``v`` (``beta``, ``ai`` unused)."""
     batch, length, n, hk, hv, dk, dv, bound, offsets, _ = layout
     tile, stages, warps = recurrence_config(dk, dv, k.dtype, n * hv, v.device)
     if qdq_block_v:
@@ -381,7 +396,7 @@ def _recurrence(q, k, v, gc, beta, ai, aqk, initial_state, cu_seqlens, layout, *
     shape = (n, hv, dv, dk) if state_v_first else (n, hv, dk, dv)
     o = ht = hs = hs_scales = None
     if not recompute:
-        o = torch.empty_like(v)
+        o = torch.empty(v.shape, dtype=q.dtype, device=v.device)
         ht = torch.empty(shape, dtype=torch.float32, device=v.device)
     if qdq_block_v:
         hs = torch.empty((bound, hv, dk, dv), dtype=torch.float8_e4m3fn, device=v.device)
@@ -389,13 +404,13 @@ def _recurrence(q, k, v, gc, beta, ai, aqk, initial_state, cu_seqlens, layout, *
     elif recompute:
         hs = k.new_empty((bound, hv, dk, dv))
     wrap_triton(_chunk_gdn_fwd_kernel)[(n * hv, dv // tile)](
-        q, k, v, gc, beta, ai, aqk, o, initial_state, ht, hs, hs_scales, cu_seqlens, offsets,
+        q, k, v, gc, beta, ai, aqk, w, o, initial_state, ht, hs, hs_scales, cu_seqlens, offsets,
         scale, length,
         H=hv, HK=hk, K=dk, V=dv, BT=CHUNK, BV=tile,
         HAS_H0=initial_state is not None, RECOMPUTE=recompute,
         STATE_V_FIRST=state_v_first, IS_VARLEN=cu_seqlens is not None,
         DOT_PREC=dot_precision(k.dtype), STATE_QDQ=bool(qdq_block_v), SOFT_CAST=soft_cast(),
-        num_warps=warps, num_stages=stages,
+        WY=w is not None, num_warps=warps, num_stages=stages,
     )
     return o, ht, hs, hs_scales
 
@@ -453,11 +468,12 @@ def chunk_gdn_fwd(q, k, v, g, beta, initial_state, cu_seqlens, *, chunk_size, sc
 
 
 def gdn_recompute_states(k, v, gc, beta, ai, initial_state, cu_seqlens, layout, *,
-                         state_v_first, qdq_block_v=0):
+                         state_v_first, qdq_block_v=0, w=None):
     """Start state of every chunk (backward): ``(hs, None)``, ``hs [chunks bound, Hv, K,
     V]`` in ``k``'s dtype; with ``qdq_block_v > 0`` (state QDQ) float8 ``hs`` and its
-    scales, as :func:`chunk_gdn_fwd` returns them."""
+    scales, as :func:`chunk_gdn_fwd` returns them. ``w``: from the WY operands ``W`` and
+    ``U`` (in ``v``; ``beta`` and ``ai`` None)."""
     return _recurrence(
-        k, k, v, gc, beta, ai, ai, initial_state, cu_seqlens, layout,
-        scale=1.0, state_v_first=state_v_first, recompute=True, qdq_block_v=qdq_block_v,
+        k, k, v, gc, beta, ai, None, initial_state, cu_seqlens, layout,
+        scale=1.0, state_v_first=state_v_first, recompute=True, qdq_block_v=qdq_block_v, w=w,
     )[2:]

@@ -10,7 +10,6 @@ gates near zero and strongly negative, lengths up to 32768.
 
 from __future__ import annotations
 
-import contextlib
 import os
 
 import pytest
@@ -25,29 +24,13 @@ from kdn_compile.lowering.chunk_gdn_fwd import (  # noqa: E402
     chunk_gdn_fwd, gdn_kernel_supports, qdq_tile_width,
 )
 from kdn_compile.reference import chunk_gdn_reference  # noqa: E402
-from tests._helpers import assert_close, count_calls  # noqa: E402
+from tests._helpers import assert_close, count_calls, poisoned as _poisoned  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs CUDA")
 needs_kernels = pytest.mark.skipif(not (CUDA or INTERPRET), reason="needs CUDA or TRITON_INTERPRET=1")
 GRADS = ("q", "k", "v", "g", "beta", "initial_state")
-
-
-@contextlib.contextmanager
-def _poisoned():
-    """torch.empty, empty_like and Tensor.new_empty return NaN-filled memory meanwhile."""
-    empty, empty_like, new_empty = torch.empty, torch.empty_like, torch.Tensor.new_empty
-
-    def nan(t):
-        return t.fill_(float("nan")) if t.is_floating_point() else t
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(torch, "empty", lambda *a, **kw: nan(empty(*a, **kw)))
-        patch.setattr(torch, "empty_like", lambda *a, **kw: nan(empty_like(*a, **kw)))
-        patch.setattr(torch.Tensor, "new_empty",
-                      lambda self, *a, **kw: nan(new_empty(self, *a, **kw)))
-        yield
 
 
 def _inputs(B, T, Hk, Hv, K, V, *, N, dtype, device, seed, gate_scale=1.0, with_state=True,

@@ -82,17 +82,141 @@ def test_state_fp8_qdq_takes_the_kernel_and_passes_gradients_through(monkeypatch
     assert torch.equal(x.grad, grad), "straight-through"
 
 
-def test_state_qdq_kernel_path_traces_as_on_the_gpu():
-    """``kdn::chunk_gdn`` with FP8 state QDQ on its kernel branch, traced on the CPU
-    (tests/_trace_kernel_path.py) through AOTAutograd's min-cut partitioner with the float8
-    chunk states among its saved outputs: two forward launches (prepare, recurrence) and two
-    backward ones (no recomputed states)."""
+@pytest.mark.parametrize("which,expected", [("gdn-qdq", "counts [2, 2]"),
+                                            ("wy", "counts [4, 4]")])
+def test_qat_kernel_paths_trace_as_on_the_gpu(which, expected):
+    """The kernel branches traced on the CPU (tests/_trace_kernel_path.py) with
+    ``fullgraph=True`` through AOTAutograd's min-cut partitioner, as on the H200.
+    ``gdn-qdq``: ``kdn::chunk_gdn`` with FP8 state QDQ, the float8 chunk states among its
+    saved outputs: two forward launches (prepare, recurrence), two backward (no recomputed
+    states). ``wy``: ``chunk_gdn`` with a ``w_quantizer`` in the graph between the operands
+    (prepare, W and U) and the recurrence (prepare, recurrence); backward: recomputed
+    states, state pass, gradients, then the operands' gradients."""
     import subprocess
     import sys
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    done = subprocess.run([sys.executable, "tests/_trace_kernel_path.py", "gdn-qdq"], env=env,
+    done = subprocess.run([sys.executable, "tests/_trace_kernel_path.py", which], env=env,
                           capture_output=True, text=True, timeout=600, cwd=root)
-    assert done.returncode == 0 and "counts [2, 2]" in done.stdout, (
-        done.stdout + done.stderr[-3000:])
+    assert done.returncode == 0 and expected in done.stdout, done.stdout + done.stderr[-3000:]
+
+
+# -- w_quantizer: the WY operands and the recurrence from them on their kernels ------------------
+
+
+def per_row_e4m3(w: torch.Tensor) -> torch.Tensor:
+    """The example fake quantizer of ``W``: E4M3 QDQ with one scale per row (``amax / 448``),
+    straight-through gradient; ordinary PyTorch, as a user writes it."""
+    amax = w.detach().abs().amax(-1, keepdim=True)
+    scale = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
+    rounded = (w.detach() / scale).to(torch.float8_e4m3fn).to(w.dtype) * scale
+    return w + (rounded - w.detach())
+
+
+WY_CASES = [
+    # id, B, T, Hk, Hv, K, V, cu_seqlens, state_v_first, state_qdq_block_v
+    pytest.param(1, 70, 1, 2, 16, 32, None, False, None, id="T70-grouped"),
+    pytest.param(2, 65, 1, 2, 32, 16, None, True, 16, id="T65-vfirst-qdq"),
+    pytest.param(1, 100, 1, 2, 16, 16, [0, 0, 64, 100], False, 16, id="varlen-empty-qdq"),
+]
+
+
+def _grads(outputs, leaves, cotangents):
+    names = [n for n, t in leaves.items() if t is not None]
+    found = torch.autograd.grad(outputs, [leaves[n] for n in names], cotangents)
+    return dict(zip(names, found))
+
+
+@needs_kernels
+@pytest.mark.parametrize("B,T,Hk,Hv,K,V,cu,state_v_first,block_v", WY_CASES)
+def test_wy_kernels_match_reference(B, T, Hk, Hv, K, V, cu, state_v_first, block_v):
+    """Both halves against their float64 references, values and every gradient: the
+    operands ``W``, ``U``, and the recurrence from random ``W``, ``U`` (FP8 state QDQ too)."""
+    from _helpers import assert_close, delta_inputs, poisoned
+    from kdn_compile.lowering import chunk_gdn_wy as wy
+    from kdn_compile.reference import gdn_wy_operands_reference, gdn_wy_recurrence_reference
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    cu_seqlens = None if cu is None else torch.tensor(cu, dtype=torch.int32, device=device)
+    x = delta_inputs(B=B, T=T, Hk=Hk, Hv=Hv, K=K, V=V, dtype=torch.float32, seed=T,
+                     state_v_first=state_v_first, N=B if cu is None else len(cu) - 1)
+    x = {n: t.to(device) for n, t in x.items()}
+    gen = torch.Generator().manual_seed(1)
+    rand = lambda *s: torch.randn(*s, generator=gen).to(device)  # noqa: E731
+    exact = {n: t.double().requires_grad_() for n, t in x.items()}
+
+    with poisoned():
+        w, u, *prepared = wy.gdn_wy_operands_fwd(x["k"], x["v"], x["g"], x["beta"], cu_seqlens,
+                                                 chunk_size=64)
+    dw, du = rand(*w.shape), rand(*u.shape)
+    with poisoned():
+        grads = wy.gdn_wy_operands_bwd(x["k"], x["v"], x["g"], x["beta"], cu_seqlens, dw, du,
+                                       chunk_size=64, prepared=prepared)
+    rw, ru = gdn_wy_operands_reference(exact["k"], exact["v"], exact["g"], exact["beta"],
+                                       chunk_size=64, cu_seqlens=cu_seqlens)
+    assert w.dtype == u.dtype == torch.float32
+    assert_close(w, rw, 1e-5, "W")
+    assert_close(u, ru, 1e-5, "U")
+    operands = {n: exact[n] for n in ("k", "v", "g", "beta")}
+    expected = _grads((rw, ru), operands, (dw.double(), du.double()))
+    for name, grad in zip(operands, grads):
+        assert_close(grad, expected[name], 1e-5, f"operands d{name}")
+
+    w, u = 0.3 * rand(*w.shape), rand(*u.shape)
+    options = dict(chunk_size=64, scale=K ** -0.5, state_v_first=state_v_first,
+                   state_qdq=block_v is not None, state_qdq_block_v=block_v or 64)
+    args = (x["q"], x["k"], w, u, x["g"], x["initial_state"], cu_seqlens)
+    with poisoned():
+        o, ht, *prepared = wy.gdn_wy_recurrence_fwd(*args, **options)
+    do, dht = rand(*o.shape), rand(*ht.shape)
+    with poisoned():
+        grads = wy.gdn_wy_recurrence_bwd(*args, do, dht, prepared=prepared, **options)
+    inputs = {"q": exact["q"], "k": exact["k"], "w": w.double().requires_grad_(),
+              "u": u.double().requires_grad_(), "g": exact["g"],
+              "initial_state": exact["initial_state"]}
+    ro, rh = gdn_wy_recurrence_reference(*list(inputs.values())[:5], cu_seqlens=cu_seqlens,
+                                         initial_state=inputs["initial_state"], **options)
+    assert_close(o, ro, 1e-4, "o")
+    assert_close(ht, rh, 1e-4, "final state")
+    expected = _grads((ro, rh), inputs, (do.double(), dht.double()))
+    for name, grad in zip(inputs, grads):
+        assert grad.dtype == (x.get(name, w)).dtype, name
+        assert_close(grad, expected[name], 1e-4, f"recurrence d{name}")
+
+
+@needs_kernels
+def test_w_quantizer_runs_on_the_kernels_and_matches_reference(monkeypatch):
+    """``chunk_gdn(..., w_quantizer=per_row_e4m3)`` with the kernel ops (backend "triton"):
+    both halves launch their kernels forward and backward, and values and gradients match
+    ``chunk_gdn_reference`` with the same callable (float64)."""
+    from _helpers import assert_close, count_calls, delta_inputs, rel_error
+    from kdn_compile.ops import gdn_wy
+    from kdn_compile.reference import chunk_gdn_reference
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    x = delta_inputs(B=1, T=70, Hk=1, Hv=2, K=16, V=16, dtype=torch.float32, seed=3)
+    leaves = {n: t.to(device).requires_grad_() for n, t in x.items()}
+    calls = count_calls(monkeypatch, gdn_wy, (
+        "gdn_wy_operands_fwd", "gdn_wy_operands_bwd", "gdn_wy_recurrence_fwd",
+        "gdn_wy_recurrence_bwd"))
+    with kdn_compile.use_backend("triton"):
+        o, ht = kdn_compile.chunk_gdn(**leaves, w_quantizer=per_row_e4m3, state_qdq=True,
+                                      state_qdq_block_v=16)
+    assert sorted(calls) == ["gdn_wy_operands_fwd", "gdn_wy_recurrence_fwd"]
+    gen = torch.Generator().manual_seed(2)
+    do = torch.randn(o.shape, generator=gen).to(device)
+    dht = torch.randn(ht.shape, generator=gen).to(device)
+    got = _grads((o, ht), leaves, (do, dht))
+    assert sorted(calls) == sorted(["gdn_wy_operands_fwd", "gdn_wy_recurrence_fwd",
+                                    "gdn_wy_operands_bwd", "gdn_wy_recurrence_bwd"])
+    exact = {n: t.detach().double().requires_grad_() for n, t in leaves.items()}
+    ro, rh = chunk_gdn_reference(**exact, w_quantizer=per_row_e4m3, state_qdq=True,
+                                 state_qdq_block_v=16)
+    assert_close(o, ro, 1e-4, "o")
+    assert_close(ht, rh, 1e-4, "final state")
+    plain = chunk_gdn_reference(**{n: t.detach() for n, t in exact.items()})[0]
+    assert rel_error(ro, plain) > 1e-3, "the quantizer changes the output"
+    expected = _grads((ro, rh), exact, (do.double(), dht.double()))
+    for name, grad in got.items():
+        assert_close(grad, expected[name], 1e-4, f"d{name}")

@@ -9,10 +9,9 @@
   placeholders on the reference branch) and, with FP8 state quantization, the chunk
   start states as float8 values and scales (which hold them exactly: the backward
   recomputes no state); elsewhere both take the reference.
-* ``kdn::gdn_wy_operands_reference`` and ``kdn::gdn_wy_recurrence_reference``:
-  the same computation cut in two around the WY operand ``W`` so that a user's
-  ``w_quantizer`` (a Python callable, which no schema can carry) runs between
-  them in traced Python.
+
+The same computation cut in two around the WY operand ``W`` (``w_quantizer``):
+:mod:`kdn_compile.ops.gdn_wy`.
 """
 
 from __future__ import annotations
@@ -26,7 +25,6 @@ from kdn_compile import reference as ref
 from kdn_compile.ops._dispatch import TRITON, can_launch
 from kdn_compile.ops._registry import FamilyOps, saved_placeholders
 from kdn_compile.ops._shapes import empty_state
-from kdn_compile.reference._common import work_dtype
 
 if TRITON:  # else every op takes its reference (see _dispatch.TRITON)
     from kdn_compile.lowering.chunk_gdn_bwd import chunk_gdn_bwd
@@ -148,59 +146,4 @@ CHUNK_GDN.attach_autograd(
          "state_v_first", "state_qdq", "state_qdq_block_v"),
     ),
     saved=len(SAVED),
-)
-
-
-# -- the w_quantizer path: W and U, then the recurrence over chunks ---------------
-
-
-def _wy_operands_signature(
-    k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
-    cu_seqlens: Optional[Tensor], chunk_size: int,
-) -> tuple[Tensor, Tensor]: ...
-
-
-def _wy_operands_reference(k, v, g, beta, cu_seqlens, chunk_size):
-    return ref.gdn_wy_operands_reference(
-        k, v, g, beta, chunk_size=chunk_size, cu_seqlens=cu_seqlens
-    )
-
-
-def _wy_operands_fake(k, v, g, beta, cu_seqlens, chunk_size):
-    dtype = work_dtype(k.dtype)
-    b, t, hv, dv = v.shape
-    return k.new_empty((b, t, hv, k.shape[3]), dtype=dtype), v.new_empty((b, t, hv, dv), dtype=dtype)
-
-
-GDN_WY_OPERANDS = FamilyOps(
-    "gdn_wy_operands", _wy_operands_signature, _wy_operands_reference,
-    _wy_operands_fake, differentiable=("k", "v", "g", "beta"),
-)
-
-
-def _wy_recurrence_signature(
-    q: Tensor, k: Tensor, w: Tensor, u: Tensor, g: Tensor,
-    initial_state: Optional[Tensor], cu_seqlens: Optional[Tensor],
-    chunk_size: int, scale: float, state_v_first: bool,
-    state_qdq: bool, state_qdq_block_v: int,
-) -> tuple[Tensor, Tensor]: ...
-
-
-def _wy_recurrence_reference(q, k, w, u, g, initial_state, cu_seqlens, chunk_size,
-                             scale, state_v_first, state_qdq, state_qdq_block_v):
-    return ref.gdn_wy_recurrence_reference(
-        q, k, w, u, g, chunk_size=chunk_size, scale=scale, initial_state=initial_state,
-        cu_seqlens=cu_seqlens, state_v_first=state_v_first, state_qdq=state_qdq,
-        state_qdq_block_v=state_qdq_block_v,
-    )
-
-
-def _wy_recurrence_fake(q, k, w, u, g, initial_state, cu_seqlens, chunk_size, scale,
-                        state_v_first, state_qdq, state_qdq_block_v):
-    return q.new_empty(u.shape), empty_state(q, cu_seqlens, u.shape[2], k.shape[3], u.shape[3], state_v_first)
-
-
-GDN_WY_RECURRENCE = FamilyOps(
-    "gdn_wy_recurrence", _wy_recurrence_signature, _wy_recurrence_reference,
-    _wy_recurrence_fake, differentiable=("q", "k", "w", "u", "g", "initial_state"),
 )
