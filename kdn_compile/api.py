@@ -4,9 +4,8 @@ Each is a drop-in for its reference in :mod:`kdn_compile.reference` (same
 arguments, same results) and traces under ``torch.compile(fullgraph=True)`` and
 ``torch.export`` without graph breaks. Which op runs is chosen by the backend
 switch (:func:`kdn_compile.set_backend`): the Triton kernel op (``kdn::<name>``)
-or the exact reference op (``kdn::<name>_reference``). ``state_fp8_qdq``
-and ``chunk_gdn(..., w_quantizer=...)`` have no kernels yet and run their
-reference ops under every backend.
+or the exact reference op (``kdn::<name>_reference``); ``chunk_gdn(...,
+w_quantizer=...)`` calls two of each, with the callable between them.
 """
 
 from __future__ import annotations
@@ -105,8 +104,14 @@ def chunk_gdn(
             ``[K, state_qdq_block_v]`` tile, straight-through gradient.
         state_qdq_block_v: value columns per FP8 scale.
         w_quantizer: callable applied once to the whole WY operand
-            ``W [B, T, Hv, K]``; with it the computation runs as two ops with the
-            callable traced between them.
+            ``W [B, T, Hv, K]`` (float32; float64 for float64 inputs); with it the
+            computation runs as two ops with the callable traced between them (e.g.
+            :func:`kdn_compile.quantization.fp8_row_qdq`).
+
+    Kernels (CUDA): FP8 state QDQ runs inside the recurrence kernels (one program per
+    ``[K, state_qdq_block_v]`` scale tile; the backward reads the forward's float8 chunk
+    states), and both ops of the ``w_quantizer`` path have kernels forward and backward;
+    the shapes they cover: the limitations page.
 
     Returns:
         ``(o, final_state)``: ``o`` like ``v`` (``v``'s dtype); ``final_state``

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import kdn_compile
+from kdn_compile.quantization import fp8_row_qdq
 from kdn_compile.reference.fp8 import quantize_state_fp8, state_fp8_qdq_reference
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -105,15 +106,6 @@ def test_qat_kernel_paths_trace_as_on_the_gpu(which, expected):
 # -- w_quantizer: the WY operands and the recurrence from them on their kernels ------------------
 
 
-def per_row_e4m3(w: torch.Tensor) -> torch.Tensor:
-    """The example fake quantizer of ``W``: E4M3 QDQ with one scale per row (``amax / 448``),
-    straight-through gradient; ordinary PyTorch, as a user writes it."""
-    amax = w.detach().abs().amax(-1, keepdim=True)
-    scale = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
-    rounded = (w.detach() / scale).to(torch.float8_e4m3fn).to(w.dtype) * scale
-    return w + (rounded - w.detach())
-
-
 WY_CASES = [
     # id, B, T, Hk, Hv, K, V, cu_seqlens, state_v_first, state_qdq_block_v
     pytest.param(1, 70, 1, 2, 16, 32, None, False, None, id="T70-grouped"),
@@ -187,7 +179,7 @@ def test_wy_kernels_match_reference(B, T, Hk, Hv, K, V, cu, state_v_first, block
 
 @needs_kernels
 def test_w_quantizer_runs_on_the_kernels_and_matches_reference(monkeypatch):
-    """``chunk_gdn(..., w_quantizer=per_row_e4m3)`` with the kernel ops (backend "triton"):
+    """``chunk_gdn(..., w_quantizer=fp8_row_qdq)`` with the kernel ops (backend "triton"):
     both halves launch their kernels forward and backward, and values and gradients match
     ``chunk_gdn_reference`` with the same callable (float64)."""
     from _helpers import assert_close, count_calls, delta_inputs, rel_error
@@ -201,7 +193,7 @@ def test_w_quantizer_runs_on_the_kernels_and_matches_reference(monkeypatch):
         "gdn_wy_operands_fwd", "gdn_wy_operands_bwd", "gdn_wy_recurrence_fwd",
         "gdn_wy_recurrence_bwd"))
     with kdn_compile.use_backend("triton"):
-        o, ht = kdn_compile.chunk_gdn(**leaves, w_quantizer=per_row_e4m3, state_qdq=True,
+        o, ht = kdn_compile.chunk_gdn(**leaves, w_quantizer=fp8_row_qdq, state_qdq=True,
                                       state_qdq_block_v=16)
     assert sorted(calls) == ["gdn_wy_operands_fwd", "gdn_wy_recurrence_fwd"]
     gen = torch.Generator().manual_seed(2)
@@ -211,7 +203,7 @@ def test_w_quantizer_runs_on_the_kernels_and_matches_reference(monkeypatch):
     assert sorted(calls) == sorted(["gdn_wy_operands_fwd", "gdn_wy_recurrence_fwd",
                                     "gdn_wy_operands_bwd", "gdn_wy_recurrence_bwd"])
     exact = {n: t.detach().double().requires_grad_() for n, t in leaves.items()}
-    ro, rh = chunk_gdn_reference(**exact, w_quantizer=per_row_e4m3, state_qdq=True,
+    ro, rh = chunk_gdn_reference(**exact, w_quantizer=fp8_row_qdq, state_qdq=True,
                                  state_qdq_block_v=16)
     assert_close(o, ro, 1e-4, "o")
     assert_close(ht, rh, 1e-4, "final state")

@@ -1,6 +1,6 @@
 """``kdn-compile bench``: time the ops and layers on one CUDA GPU, optionally against FLA.
 
-    kdn-compile bench [--ops gdn,kda,kdn,layers,decode] [--shapes BxTxH,...] [--against fla] [--out DIR]
+    kdn-compile bench [--ops gdn,kda,kdn,layers,decode,qat] [--shapes BxTxH,...] [--against fla] [--out DIR]
 
 For each op family the command first checks ours (and FLA's, with ``--against fla``)
 against the reference at a small shape, then times every shape with
@@ -26,7 +26,8 @@ module). It defines:
     Called once, before any timing.
 ``measure(shape: Shape, fla: bool) -> list[dict]``
     times one shape and returns one row per measurement: ``{"case": str, "impl": str,
-    "ms": float}`` plus, optionally, ``"peak_mib": float`` and ``"GBps": float``. ``impl`` is ``"ours"`` for the
+    "ms": float}`` plus, optionally, ``"peak_mib": float``, ``"GBps": float`` and
+    ``"versus": str`` (an ``impl`` to show the time relative to). ``impl`` is ``"ours"`` for the
     timed kdn function, ``"FLA"`` for FLA's; other names (``"ours eager"``) add columns.
     The command adds the family, the shape and the run's metadata to each row.
 ``PLOT_IMPLS: tuple[str, ...]`` (optional)
@@ -44,6 +45,7 @@ FAMILIES = {
     "kdn": "kdn_compile.bench.kdn",
     "layers": "kdn_compile.bench.layers",
     "decode": "kdn_compile.bench.decode",
+    "qat": "kdn_compile.bench.qat",
 }
 
 __all__ = ["FAMILIES", "CheckFailed", "Shape", "parse_shapes"]
