@@ -4,9 +4,8 @@ Each is a drop-in for its reference in :mod:`kdn_compile.reference` (same
 arguments, same results) and traces under ``torch.compile(fullgraph=True)`` and
 ``torch.export`` without graph breaks. Which op runs is chosen by the backend
 switch (:func:`kdn_compile.set_backend`): the Triton kernel op (``kdn::<name>``)
-or the exact reference op (``kdn::<name>_reference``). ``state_fp8_qdq``
-and ``chunk_gdn(..., w_quantizer=...)`` have no kernels yet and run their
-reference ops under every backend.
+or the exact reference op (``kdn::<name>_reference``); ``chunk_gdn(...,
+w_quantizer=...)`` calls two of each, with the callable between them.
 
 Bad arguments raise ``ValueError`` / ``TypeError`` naming the argument, the expected
 and the received (:class:`~kdn_compile.ArgumentValueError`,
@@ -114,8 +113,14 @@ def chunk_gdn(
             ``[K, state_qdq_block_v]`` tile, straight-through gradient.
         state_qdq_block_v: value columns per FP8 scale.
         w_quantizer: callable applied once to the whole WY operand
-            ``W [B, T, Hv, K]``; with it the computation runs as two ops with the
-            callable traced between them.
+            ``W [B, T, Hv, K]`` (float32; float64 for float64 inputs); with it the
+            computation runs as two ops with the callable traced between them (e.g.
+            :func:`kdn_compile.quantization.fp8_row_qdq`).
+
+    Kernels (CUDA): FP8 state QDQ runs inside the recurrence kernels (one program per
+    ``[K, state_qdq_block_v]`` scale tile; the backward reads the forward's float8 chunk
+    states), and both ops of the ``w_quantizer`` path have kernels forward and backward;
+    the shapes they cover: the limitations page.
 
     Returns:
         ``(o, final_state)``: ``o`` like ``v`` (``v``'s dtype); ``final_state``
@@ -155,16 +160,20 @@ def chunk_gdn(
     check_flag("state_qdq", state_qdq)
     scale, block_v, chunk_size = _scale(scale, q), _block_v(state_qdq_block_v), int(chunk_size)
     cu_seqlens = _contiguous(cu_seqlens)
+    kernels = prefer_kernels(q.device.type)
     if w_quantizer is not None:
-        w, u = _ops.gdn_wy_operands_reference(k, v, g, beta, cu_seqlens, chunk_size)
+        # The kernel ops append the tensors their backward reuses: not for the caller.
+        operands = _ops.gdn_wy_operands if kernels else _ops.gdn_wy_operands_reference
+        w, u, *_ = operands(k, v, g, beta, cu_seqlens, chunk_size)
         quantized = w_quantizer(w)
         _check_w(quantized, w)
-        w = quantized
-        return _ops.gdn_wy_recurrence_reference(
-            q, k, w, u, g, initial_state, cu_seqlens, chunk_size, scale,
+        recurrence = _ops.gdn_wy_recurrence if kernels else _ops.gdn_wy_recurrence_reference
+        o, final_state, *_ = recurrence(
+            q, k, quantized, u, g, initial_state, cu_seqlens, chunk_size, scale,
             state_v_first, state_qdq, block_v,
         )
-    op = _ops.chunk_gdn if prefer_kernels(q.device.type) else _ops.chunk_gdn_reference
+        return o, final_state
+    op = _ops.chunk_gdn if kernels else _ops.chunk_gdn_reference
     # kdn::chunk_gdn appends the tensors its backward reuses: not for the caller.
     o, final_state, *_ = op(
         q, k, v, g, beta, initial_state, cu_seqlens, chunk_size, scale,
@@ -364,7 +373,9 @@ def state_fp8_qdq(state: torch.Tensor, block_v: int = 64) -> torch.Tensor:
     One dynamic scale (``amax / 448``; 1 for an all-zero tile) per
     ``[K, block_v]`` tile, the last tile may be partial; identity
     (straight-through) gradient. Returns a tensor like ``state`` (same shape and
-    dtype). No kernel yet: always ``kdn::state_fp8_qdq_reference``.
+    dtype). On CUDA (backend ``"auto"``) a Triton kernel for float16, bfloat16 and float32
+    states, equal to the reference bit for bit; float64 and the ``"reference"`` backend run
+    ``kdn::state_fp8_qdq_reference``.
 
     Raises:
         TypeError: ``state`` is not a float tensor.
@@ -375,4 +386,5 @@ def state_fp8_qdq(state: torch.Tensor, block_v: int = 64) -> torch.Tensor:
     check_tensor("state", state)
     if state.dim() < 2:
         fail(ValueError, f"state must be [..., K, V], got shape {dims(state.shape)}")
-    return _ops.state_fp8_qdq_reference(state, _block_v(block_v, "block_v"))
+    op = _ops.state_fp8_qdq if prefer_kernels(state.device.type) else _ops.state_fp8_qdq_reference
+    return op(state, _block_v(block_v, "block_v"))

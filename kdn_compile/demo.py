@@ -6,6 +6,8 @@ what capture did: loss before/after, graph breaks, recompiles, compile time,
 eager vs compiled step time, prefill-then-decode against one full pass, a
 ``torch.export`` round of one layer, 200 generated characters, and the speed of
 greedy generation with the layers' ``step`` over slot caches, eager and compiled.
+``--state-qdq`` trains the GDN layers quantization-aware (FP8 state QDQ and a fake
+quantizer of ``W``; :func:`kdn_compile.chunk_gdn`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from torch import nn
 
 import kdn_compile
 from kdn_compile.layers import DiagKDN, GatedDeltaNet, KimiDeltaAttention
+from kdn_compile.quantization import fp8_row_qdq
 
 LAYERS = {"gdn": GatedDeltaNet, "kda": KimiDeltaAttention, "kdn": DiagKDN}
 VOCAB = ["\n"] + [chr(c) for c in range(32, 127)]  # printable ASCII; anything else reads as "?"
@@ -80,10 +83,13 @@ class CharLM(nn.Module):
     """Embedding, ``depth`` blocks of (RMSNorm, mixer, residual, RMSNorm, MLP, residual), head.
 
     ``forward(ids [B, T], states=None) -> (logits [B, T, vocab], states)``;
-    ``states`` (one per block) continue a sequence across calls.
+    ``states`` (one per block) continue a sequence across calls. ``quantized`` (GDN only):
+    quantization-aware mixers, FP8 state QDQ and :func:`~kdn_compile.quantization.fp8_row_qdq`
+    on ``W`` (see :meth:`set_quantized`).
     """
 
-    def __init__(self, layer: str, vocab: int, dim: int = 64, depth: int = 2, heads: int = 2):
+    def __init__(self, layer: str, vocab: int, dim: int = 64, depth: int = 2, heads: int = 2,
+                 quantized: bool = False):
         super().__init__()
         self.embed = nn.Embedding(vocab, dim)
         mixer = LAYERS[layer]
@@ -91,6 +97,14 @@ class CharLM(nn.Module):
             Block(dim, mixer(dim, heads, dim // heads)) for _ in range(depth)
         )
         self.norm, self.head = nn.RMSNorm(dim), nn.Linear(dim, vocab, bias=False)
+        self.set_quantized(quantized)
+
+    def set_quantized(self, quantized: bool) -> None:
+        """Switch the GDN mixers' quantization-aware training on (FP8 state QDQ and the
+        per-row E4M3 fake quantizer of ``W``) or off."""
+        for block in self.blocks:
+            block.mixer.state_qdq = quantized
+            block.mixer.w_quantizer = fp8_row_qdq if quantized else None
 
     def allocate_caches(self, num_slots: int, device=None) -> list[dict]:
         """One slot cache per block (:meth:`GatedDeltaNet.allocate_cache` and the others)."""
@@ -281,6 +295,9 @@ def run(args: argparse.Namespace) -> dict:
     """Train, check capture, generate; prints the report and returns its numbers."""
     if args.length <= DECODED:
         raise SystemExit(f"kdn-compile demo: --length must be > {DECODED}, got {args.length}")
+    if args.state_qdq and args.layer != "gdn":
+        raise SystemExit(f"kdn-compile demo: --state-qdq trains GDN layers (--layer gdn), "
+                         f"got --layer {args.layer}")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     threads = torch.get_num_threads()
     if device.type == "cpu":
@@ -299,7 +316,8 @@ def _run(args: argparse.Namespace, device: torch.device) -> dict:
     data = encode(load_corpus())
     split = int(0.95 * data.numel())
     train_ids, held_out = data[:split], data[split:]
-    model = CharLM(args.layer, len(VOCAB), dim=args.dim, depth=args.depth).to(device)
+    model = CharLM(args.layer, len(VOCAB), dim=args.dim, depth=args.depth,
+                   quantized=args.state_qdq).to(device)
     generator = torch.Generator().manual_seed(args.seed)
     eval_ids, eval_targets = _batch(held_out, args.batch, args.length, generator, device)
     compiled = not args.no_compile
@@ -311,6 +329,7 @@ def _run(args: argparse.Namespace, device: torch.device) -> dict:
         f"{sum(p.numel() for p in model.parameters()):,} parameters; {len(data):,} chars of "
         f"stdlib source; {args.steps} steps of {args.batch} x {args.length} on {device}; "
         f"{mode}; kdn backend {kdn_compile.get_backend()!r}"
+        + ("; quantization-aware: FP8 state QDQ and fp8_row_qdq on W" if args.state_qdq else "")
     )
     report = {}
     with torch.no_grad():
@@ -333,6 +352,11 @@ def _run(args: argparse.Namespace, device: torch.device) -> dict:
     else:
         (report["eager_step_s"],) = _step_times((_loss,), model, eval_ids, eval_targets, device)
 
+    # Quantization-aware training done: the checks below run the model unquantized (the
+    # quantization depends on where chunks and calls start, so prefill + decode would not
+    # equal one pass).
+    model.set_quantized(False)
+    report["quantized_training"] = args.state_qdq
     model.eval()
     prompt = eval_ids[:1, :48]
     report["prefill"], report["decoded"] = prompt.shape[1] - DECODED, DECODED
@@ -362,6 +386,9 @@ def _print_report(r: dict) -> None:
               f"{1e3 * r['compiled_step_s']:.1f} ms ({speedup:.2f}x)")
     else:
         print(f"step (fwd+bwd): eager {1e3 * r['eager_step_s']:.1f} ms (--no-compile)")
+    if r["quantized_training"]:
+        print("trained quantization-aware (FP8 state QDQ, fp8_row_qdq on W); the checks below "
+              "run unquantized")
     d = r["decode_max_diff"]
     print(f"prefill {r['prefill']} + decode {r['decoded']} tokens vs one pass: "
           f"max |logit diff| {d:.1e} "
@@ -400,5 +427,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--length", type=int, default=128,
         help=f"characters per sequence, > {DECODED} (default 128)")
     add("--lr", type=float, default=3e-3, help="AdamW learning rate (default 3e-3)")
+    add("--state-qdq", action="store_true",
+        help="quantization-aware training of the GDN layers: FP8 E4M3 fake quantization of "
+             "the recurrent state and of W (kdn_compile.quantization.fp8_row_qdq); the "
+             "inference checks after training run unquantized")
     add("--generate", type=int, default=None,
         help="greedy tokens timed with the layers' step (default 256 on CUDA, 8 on the CPU)")

@@ -28,11 +28,12 @@ from torch.library import wrap_triton
 
 from ._launch import dot_precision, fixed_chunk, fixed_sequence, state_tile
 from .chunk_gdn_fwd import (
-    CHUNK, _scale, gdn_layout, gdn_prepare, gdn_recompute_states, recurrence_config,
-    require_gdn_kernels,
+    CHUNK, _scale, gdn_layout, gdn_prepare, gdn_recompute_states, qdq_tile_width,
+    recurrence_config, require_gdn_kernels,
 )
+from .fp8 import dequantize_tile
 
-__all__ = ["chunk_gdn_bwd", "grad_config"]
+__all__ = ["chunk_gdn_bwd", "gdn_state_grads", "grad_config", "key_grads", "sum_groups"]
 
 
 @triton.jit
@@ -43,10 +44,11 @@ def _decay(b_gc, m):
 
 @triton.jit
 def _chunk_gdn_bwd_state_kernel(
-    q, k, gc, beta, ai, aqk, do, dv, dht, dh0, dhs, cu_seqlens, offsets, scale, T,
+    q, k, gc, beta, ai, aqk, w, do, dv, dht, dh0, dhs, cu_seqlens, offsets, scale, T,
     H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BV: tl.constexpr, HAS_DHT: tl.constexpr, HAS_H0: tl.constexpr,
     STATE_V_FIRST: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
+    WY: tl.constexpr,
 ):
     scale = tl.cast(scale, tl.float32)  # Inductor passes Python floats as fp64
     i_nh, i_v = tl.program_id(0), tl.program_id(1)
@@ -68,8 +70,11 @@ def _chunk_gdn_bwd_state_kernel(
     do += (bos * H + i_h) * V
     dv += (bos * H + i_h) * V
     gc += bos * H + i_h
-    beta += bos * H + i_h
-    ai += (bos * H + i_h) * BT
+    if WY:
+        w += (bos * H + i_h) * K
+    else:
+        beta += bos * H + i_h
+        ai += (bos * H + i_h) * BT
     aqk += (bos * H + i_h) * BT
     o_t = tl.arange(0, BT)
     o_k = tl.arange(0, K)
@@ -86,36 +91,54 @@ def _chunk_gdn_bwd_state_kernel(
         b_k = tl.load(k + rows[:, None] * (HK * K) + o_k[None, :], mask=m_r, other=0.0)
         b_do = tl.load(do + rows[:, None] * (H * V) + o_v[None, :], mask=m_r, other=0.0)
         b_m = tl.load(aqk + rows[:, None] * (H * BT) + o_t[None, :], mask=m_r, other=0.0)
-        b_ai = tl.load(ai + rows[:, None] * (H * BT) + o_t[None, :], mask=m_r, other=0.0)
         b_gc = tl.load(gc + tl.minimum(rows, last) * H)
         b_gl = tl.load(gc + last * H)
-        b_beta = tl.load(beta + rows * H, mask=rows < length, other=0.0).to(tl.float32)
         b_eg = tl.exp(b_gc)[:, None]
-        # ddelta = scale M^T do + e^{G_last - G} (k dS'); dv = beta Ai^T ddelta
+        # ddelta = scale M^T do + e^{G_last - G} (k dS')
         b_dd = scale * tl.dot(tl.trans(b_m), b_do.to(dt), input_precision=DOT_PREC)
         b_dd += tl.exp(b_gl - b_gc)[:, None] * tl.dot(b_k, b_dh.to(dt), input_precision=DOT_PREC)
-        b_dx = tl.dot(tl.trans(b_ai), b_dd.to(dt), input_precision=DOT_PREC)
-        b_dv = (b_beta[:, None] * b_dx).to(dt)
-        tl.store(dv + rows[:, None] * (H * V) + o_v[None, :], b_dv.to(dv.dtype.element_ty), mask=m_r)
-        # dS = e^{G_last} dS' + scale q^T (e^G do) - k^T (e^G dv)
+        if WY:  # delta = U - W S: dU = ddelta (in dv), and -W^T ddelta into dS
+            tl.store(dv + rows[:, None] * (H * V) + o_v[None, :], b_dd.to(dv.dtype.element_ty),
+                     mask=m_r)
+            b_w = tl.load(w + rows[:, None] * (H * K) + o_k[None, :], mask=m_r, other=0.0)
+            b_wd = tl.dot(tl.trans(b_w.to(dt)), b_dd.to(dt), input_precision=DOT_PREC)
+        else:  # dv = beta Ai^T ddelta, and -k^T (e^G dv) into dS
+            b_ai = tl.load(ai + rows[:, None] * (H * BT) + o_t[None, :], mask=m_r, other=0.0)
+            b_beta = tl.load(beta + rows * H, mask=rows < length, other=0.0).to(tl.float32)
+            b_dx = tl.dot(tl.trans(b_ai), b_dd.to(dt), input_precision=DOT_PREC)
+            b_dv = (b_beta[:, None] * b_dx).to(dt)
+            tl.store(dv + rows[:, None] * (H * V) + o_v[None, :], b_dv.to(dv.dtype.element_ty),
+                     mask=m_r)
+            b_wd = tl.dot(tl.trans(b_k), (b_eg * b_dv).to(dt), input_precision=DOT_PREC)
+        # dS = e^{G_last} dS' + scale q^T (e^G do) - W^T ddelta
         b_q = tl.load(q + rows[:, None] * (HK * K) + o_k[None, :], mask=m_r, other=0.0)
         b_dh = b_dh * tl.exp(b_gl)
         b_dh += tl.dot(tl.trans(b_q), (scale * b_eg * b_do).to(dt), input_precision=DOT_PREC)
-        b_dh -= tl.dot(tl.trans(b_k), (b_eg * b_dv).to(dt), input_precision=DOT_PREC)
+        b_dh -= b_wd
     if HAS_H0:
         tl.store(dh0 + i_nh.to(tl.int64) * K * V + state_tile(i_v, K, V, BV, STATE_V_FIRST), b_dh)
 
 
 @triton.jit
-def _delta_tile(b_k, b_ai, b_eg, b_el, b_beta, p_s, p_ds, v, do, dv, rows, m_r, i_v,
+def _start_state(p_s, p_sc, o_s, i_v, BV: tl.constexpr, QBV: tl.constexpr):
+    """Value tile ``i_v`` of a chunk's start state: as stored, or (``QBV``, state QDQ) float8
+    with one scale per ``QBV`` columns, dequantized to the float32 tile the forward held."""
+    b_s = tl.load(p_s + o_s)
+    if QBV:
+        b_s = dequantize_tile(b_s, tl.load(p_sc + (i_v * BV) // QBV))
+    return b_s
+
+
+@triton.jit
+def _delta_tile(b_k, b_ai, b_eg, b_el, b_beta, p_s, p_sc, p_ds, v, do, dv, rows, m_r, i_v,
                 H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
-                DOT_PREC: tl.constexpr):
+                QBV: tl.constexpr, DOT_PREC: tl.constexpr):
     """Value tile ``i_v``: ``S``, ``dS'``, ``e^G k S``, ``r = v - e^G k S``, ``delta``,
     ``k~ dS'``, ``do`` and ``dv`` (``v``, ``do``, ``dv`` already offset to the head)."""
     dt = b_k.dtype
     o_tv = rows[:, None] * (H * V) + i_v * BV + tl.arange(0, BV)[None, :]
     o_s = tl.arange(0, K)[:, None] * V + i_v * BV + tl.arange(0, BV)[None, :]
-    b_s = tl.load(p_s + o_s)
+    b_s = _start_state(p_s, p_sc, o_s, i_v, BV, QBV).to(dt)
     b_ds = tl.load(p_ds + o_s)
     b_v = tl.load(v + o_tv, mask=m_r, other=0.0).to(tl.float32)
     b_ks = b_eg[:, None] * tl.dot(b_k, b_s, input_precision=DOT_PREC)
@@ -129,9 +152,11 @@ def _delta_tile(b_k, b_ai, b_eg, b_el, b_beta, p_s, p_ds, v, do, dv, rows, m_r, 
 
 @triton.jit
 def _chunk_gdn_bwd_grad_kernel(
-    q, k, v, gc, beta, ai, aqk, hs, dhs, do, dv, dq, dk, dg0, dg1, dbeta, spans, scale, T,
+    q, k, v, gc, beta, ai, aqk, hs, hs_scales, dhs, do, dv, dq, dk, dg0, dg1, dbeta, spans,
+    scale, T,
     H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
+    QBV: tl.constexpr,
 ):
     """Program ``(chunk, head, role)``: role 0 writes ``dq`` and part of the gate gradient
     (``dg0``), role 1 ``dk``, ``dbeta`` and the rest (``dg1``); both redo ``delta``."""
@@ -162,6 +187,9 @@ def _chunk_gdn_bwd_grad_kernel(
     b_el = tl.exp(b_gl - b_gc)
     p_s = hs + (i_c.to(tl.int64) * H + i_h) * K * V
     p_ds = dhs + (i_c.to(tl.int64) * H + i_h) * K * V
+    p_sc = hs_scales  # float8 start states: their scales
+    if QBV:
+        p_sc = hs_scales + (i_c.to(tl.int64) * H + i_h) * (V // QBV)
     v += i_h * V
     do += i_h * V
     dv += i_h * V
@@ -173,8 +201,8 @@ def _chunk_gdn_bwd_grad_kernel(
         acc_dl = tl.zeros([BT], dtype=tl.float32)  # dG_last, broadcast
         for i_v in range(0, V // BV):
             b_s, b_ds, b_ks, b_r, b_d, b_kds, b_do, b_dv = _delta_tile(
-                b_k, b_ai, b_eg, b_el, b_beta, p_s, p_ds, v, do, dv, rows, m_r, i_v,
-                H, K, V, BV, DOT_PREC)
+                b_k, b_ai, b_eg, b_el, b_beta, p_s, p_sc, p_ds, v, do, dv, rows, m_r, i_v,
+                H, K, V, BV, QBV, DOT_PREC)
             acc_dq = tl.dot(b_do, tl.trans(b_s), acc_dq, input_precision=DOT_PREC)
             acc_dm = tl.dot(b_do, tl.trans(b_d), acc_dm, input_precision=DOT_PREC)
             b_dkds = b_d.to(tl.float32) * b_kds
@@ -196,8 +224,8 @@ def _chunk_gdn_bwd_grad_kernel(
         acc_db = tl.zeros([BT], dtype=tl.float32)
         for i_v in range(0, V // BV):
             b_s, b_ds, b_ks, b_r, b_d, b_kds, b_do, b_dv = _delta_tile(
-                b_k, b_ai, b_eg, b_el, b_beta, p_s, p_ds, v, do, dv, rows, m_r, i_v,
-                H, K, V, BV, DOT_PREC)
+                b_k, b_ai, b_eg, b_el, b_beta, p_s, p_sc, p_ds, v, do, dv, rows, m_r, i_v,
+                H, K, V, BV, QBV, DOT_PREC)
             b_dd = scale * tl.dot(tl.trans(b_m), b_do, input_precision=DOT_PREC) + b_kds
             b_dx = tl.dot(tl.trans(b_ai), b_dd.to(dt), input_precision=DOT_PREC)
             acc_dm = tl.dot(b_do, tl.trans(b_d), acc_dm, input_precision=DOT_PREC)
@@ -240,18 +268,22 @@ def grad_config(k_dim: int, v_dim: int, dtype: torch.dtype) -> tuple[int, int, i
 
 
 def chunk_gdn_bwd(q, k, v, g, beta, initial_state, cu_seqlens, do, dht, *,
-                  chunk_size, scale, state_v_first, prepared=None):
+                  chunk_size, scale, state_v_first, state_qdq=False, state_qdq_block_v=64,
+                  prepared=None):
     """Gradients of :func:`chunk_gdn_fwd` for ``do`` (like ``o``) and ``dht`` (like the final state).
 
-    Inputs as :func:`chunk_gdn_fwd`; ``prepared`` is its ``(gc, ai, aqk)`` or None
-    (then the prepare kernel runs again); the chunk states are recomputed either
-    way. ``dht`` may be None (zero). Returns
+    Inputs as :func:`chunk_gdn_fwd`; ``prepared`` is its ``(gc, ai, aqk, hs, hs_scales)``
+    or None (then the prepare kernel runs again); the chunk start states are recomputed
+    unless given (``hs`` not None: the float8 states of ``state_qdq``). With
+    ``state_qdq`` the gradient passes each QDQ unchanged (straight-through), so only the
+    start states differ. ``dht`` may be None (zero). Returns
     ``(dq, dk, dv, dg, dbeta, dh0)`` in the dtypes of
     ``q, k, v, g, beta, initial_state``; ``dh0`` is None without an initial state.
     Raises ValueError for inputs that
     :func:`~.chunk_gdn_fwd.gdn_kernel_supports` does not cover.
     """
-    require_gdn_kernels(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size)
+    require_gdn_kernels(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size,
+                        state_qdq=state_qdq, state_qdq_block_v=state_qdq_block_v)
     q, k, v, g, beta, do = (t.contiguous() for t in (q, k, v, g, beta, do))
     if initial_state is not None:
         initial_state = initial_state.contiguous()
@@ -259,47 +291,71 @@ def chunk_gdn_bwd(q, k, v, g, beta, initial_state, cu_seqlens, do, dht, *,
         dht = dht.contiguous()
     layout = gdn_layout(q, v, cu_seqlens)
     batch, length, n, hk, hv, dk_, dv_, bound, offsets, spans = layout
-    varlen = cu_seqlens is not None
-    prec = dot_precision(k.dtype)
     scale = _scale(scale, q)
+    qdq_width = qdq_tile_width(dk_, dv_, state_qdq_block_v, k.dtype) if state_qdq else 0
 
     if prepared is None:
-        prepared = gdn_prepare(q, k, g, beta, cu_seqlens, layout)
-    gc, ai, aqk = prepared
-    hs = gdn_recompute_states(k, v, gc, beta, ai, initial_state, cu_seqlens, layout,
-                              state_v_first=state_v_first)
+        prepared = (*gdn_prepare(q, k, g, beta, cu_seqlens, layout), None, None)
+    gc, ai, aqk, hs, hs_scales = prepared
+    if hs is None:
+        hs, hs_scales = gdn_recompute_states(
+            k, v, gc, beta, ai, initial_state, cu_seqlens, layout,
+            state_v_first=state_v_first, qdq_block_v=state_qdq_block_v if state_qdq else 0)
+    dv, dhs, dh0 = gdn_state_grads(q, k, gc, beta, ai, aqk, v, do, dht, initial_state,
+                                   cu_seqlens, layout, scale=scale, state_v_first=state_v_first,
+                                   hs_shape=hs.shape)
+    dq, dk = key_grads(q, hv)
+    dg = torch.empty((2,) + tuple(g.shape), dtype=torch.float32, device=g.device)
+    dbeta = torch.empty(beta.shape, dtype=beta.dtype, device=beta.device)
+    tile, stages, warps = grad_config(dk_, dv_, k.dtype)
+    wrap_triton(_chunk_gdn_bwd_grad_kernel)[(bound, hv, 2)](
+        q, k, v, gc, beta, ai, aqk, hs, hs_scales, dhs, do, dv, dq, dk, dg[0], dg[1], dbeta,
+        spans, scale, length,
+        H=hv, HK=hk, K=dk_, V=dv_, BT=CHUNK, BV=tile, IS_VARLEN=cu_seqlens is not None,
+        DOT_PREC=dot_precision(k.dtype), QBV=qdq_width, num_warps=warps, num_stages=stages,
+    )
+    dg = (dg[0] + dg[1]).to(g.dtype)
+    dq, dk = sum_groups(dq, q), sum_groups(dk, k)
+    if dh0 is not None and dh0.dtype != initial_state.dtype:
+        dh0 = dh0.to(initial_state.dtype)
+    return dq, dk, dv, dg, dbeta, dh0
+
+
+def gdn_state_grads(q, k, gc, beta, ai, aqk, v, do, dht, initial_state, cu_seqlens, layout, *,
+                    scale, state_v_first, hs_shape, w=None):
+    """Launch the state-gradient pass: ``(dv, dhs, dh0)``, ``dv`` like ``v``, each chunk's
+    end-state gradient ``dhs`` (``hs_shape``, ``k``'s dtype) and ``dh0`` (float32, None
+    without an initial state). ``w``: the WY operands given (``v`` is ``U``, ``dv`` its
+    gradient; ``beta`` and ``ai`` unused)."""
+    batch, length, n, hk, hv, dk_, dv_, bound, offsets, _ = layout
     tile, stages, warps = recurrence_config(dk_, dv_, k.dtype, n * hv, v.device)
-    dhs = torch.empty_like(hs)
+    dhs = k.new_empty(hs_shape)
     dv = torch.empty_like(v)
     dh0 = None
     if initial_state is not None:
         dh0 = torch.empty(initial_state.shape, dtype=torch.float32, device=v.device)
     wrap_triton(_chunk_gdn_bwd_state_kernel)[(n * hv, dv_ // tile)](
-        q, k, gc, beta, ai, aqk, do, dv, dht, dh0, dhs, cu_seqlens, offsets, scale, length,
+        q, k, gc, beta, ai, aqk, w, do, dv, dht, dh0, dhs, cu_seqlens, offsets, scale, length,
         H=hv, HK=hk, K=dk_, V=dv_, BT=CHUNK, BV=tile,
         HAS_DHT=dht is not None, HAS_H0=initial_state is not None,
-        STATE_V_FIRST=state_v_first, IS_VARLEN=varlen, DOT_PREC=prec,
-        num_warps=warps, num_stages=stages,
+        STATE_V_FIRST=state_v_first, IS_VARLEN=cu_seqlens is not None,
+        DOT_PREC=dot_precision(k.dtype), WY=w is not None, num_warps=warps, num_stages=stages,
     )
+    return dv, dhs, dh0
 
-    grouped = hv != hk
-    grad_dtype = torch.float32 if grouped else q.dtype
-    dq = q.new_empty((batch, length, hv, dk_), dtype=grad_dtype)
-    dk = k.new_empty((batch, length, hv, dk_), dtype=grad_dtype)
-    dg = torch.empty((2,) + tuple(g.shape), dtype=torch.float32, device=g.device)
-    dbeta = torch.empty(beta.shape, dtype=beta.dtype, device=beta.device)
-    tile, stages, warps = grad_config(dk_, dv_, k.dtype)
-    wrap_triton(_chunk_gdn_bwd_grad_kernel)[(bound, hv, 2)](
-        q, k, v, gc, beta, ai, aqk, hs, dhs, do, dv, dq, dk, dg[0], dg[1], dbeta, spans, scale,
-        length,
-        H=hv, HK=hk, K=dk_, V=dv_, BT=CHUNK, BV=tile,
-        IS_VARLEN=varlen, DOT_PREC=prec, num_warps=warps, num_stages=stages,
-    )
-    dg = (dg[0] + dg[1]).to(g.dtype)
-    if grouped:
-        group = hv // hk
-        dq = dq.view(batch, length, hk, group, dk_).sum(3).to(q.dtype)
-        dk = dk.view(batch, length, hk, group, dk_).sum(3).to(k.dtype)
-    if dh0 is not None and dh0.dtype != initial_state.dtype:
-        dh0 = dh0.to(initial_state.dtype)
-    return dq, dk, dv, dg, dbeta, dh0
+
+def key_grads(q, value_heads):
+    """Uninitialised per-value-head ``dq``, ``dk`` ``[B, T, Hv, K]``: in ``q``'s dtype, or
+    float32 for grouped heads (summed over each group by :func:`sum_groups`)."""
+    dtype = q.dtype if q.shape[2] == value_heads else torch.float32
+    shape = q.shape[:2] + (value_heads, q.shape[3])
+    return q.new_empty(shape, dtype=dtype), q.new_empty(shape, dtype=dtype)
+
+
+def sum_groups(grad, like):
+    """A per-value-head gradient ``[B, T, Hv, K]`` summed into ``like``'s key heads, in
+    ``like``'s dtype."""
+    b, t, hk, dk = like.shape
+    if grad.shape[2] == hk:
+        return grad
+    return grad.view(b, t, hk, grad.shape[2] // hk, dk).sum(3).to(like.dtype)

@@ -42,10 +42,11 @@ from ._launch import (
     uncovered_inputs,
 )
 from ._tiles import inv_unit_lower
+from .fp8 import qdq_tile, soft_cast
 
 __all__ = [
     "chunk_gdn_fwd", "gdn_kernel_supports", "gdn_layout", "gdn_prepare", "gdn_recompute_states",
-    "recurrence_config", "require_gdn_kernels",
+    "qdq_tile_width", "recurrence_config", "require_gdn_kernels",
 ]
 
 CHUNK = 64  # tokens per chunk: the kernels are written for 4 blocks of 16
@@ -54,14 +55,16 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _HEAD_DIMS = (16, 32, 64, 128, 256)
 
 
-def gdn_kernel_supports(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size) -> bool:
+def gdn_kernel_supports(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size, *,
+                        state_qdq=False, state_qdq_block_v=64) -> bool:
     """Whether the Triton GDN kernels cover these inputs (shapes and dtypes only).
 
     Covered: ``chunk_size == 64``; q, k, v in float16, bfloat16 or float32 (one
     dtype) with head sizes ``K``, ``V`` powers of two in ``[16, 256]`` (each
     size checked on the H200 against the float64 reference, forward and every
     gradient); ``g``/``beta`` floating and not
-    float64; ``initial_state`` any floating dtype but float64. Devices are the
+    float64; ``initial_state`` any floating dtype but float64; with ``state_qdq``, a
+    ``state_qdq_block_v`` that :func:`qdq_tile_width` covers. Devices are the
     caller's concern. Reads no tensor values.
     """
     dims = (k.shape[-1], v.shape[-1])
@@ -69,13 +72,17 @@ def gdn_kernel_supports(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size)
         return False
     if not all(d in _HEAD_DIMS for d in dims):
         return False
+    if state_qdq and qdq_tile_width(*dims, state_qdq_block_v, q.dtype) is None:
+        return False
     others = (g, beta) + ((initial_state,) if initial_state is not None else ())
     return all(t.dtype in _DTYPES for t in others)
 
 
-def require_gdn_kernels(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size) -> None:
-    """Raise ValueError unless :func:`gdn_kernel_supports` covers these inputs."""
-    if not gdn_kernel_supports(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size):
+def require_gdn_kernels(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size,
+                        **qdq) -> None:
+    """Raise ValueError unless :func:`gdn_kernel_supports` covers these inputs (``qdq``: its
+    ``state_qdq`` and ``state_qdq_block_v``)."""
+    if not gdn_kernel_supports(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size, **qdq):
         raise uncovered_inputs("Triton GDN", "gdn_kernel_supports", chunk_size, q, v)
 
 
@@ -117,6 +124,27 @@ def recurrence_config(k_dim: int, v_dim: int, dtype: torch.dtype, programs_per_t
     while tile > 16 and programs_per_tile * (v_dim // tile) < 2 * sm_count(device):
         tile //= 2
     return tile, 1 if dtype == torch.float32 and k_dim >= 128 else 2, 4
+
+
+# Bytes of a [K, BV] state tile (in the inputs' dtype) under QDQ: the largest tile the plain
+# recurrences use with half inputs, K = 128 and BV = 64 (sm_90 cubin of Triton 3.9, bf16: 255
+# registers a thread, no spills).
+_QDQ_TILE_BYTES = 128 * 64 * 2
+
+
+def qdq_tile_width(k_dim: int, v_dim: int, block_v: int, dtype: torch.dtype) -> int | None:
+    """Value columns per program of the recurrence under state QDQ, or None where the
+    kernels do not cover ``block_v``.
+
+    A program holds one whole scale tile, ``[K, min(block_v, V)]``, so that its amax is
+    local: covered when that width is a power of two from 16 (``tl.dot``) dividing ``V``
+    and the tile is at most 16 KiB in ``dtype`` (half inputs: ``K = 128`` with the default
+    64, ``K = 256`` up to 32; float32 inputs: half those widths).
+    """
+    width = min(block_v, v_dim)
+    if width < 16 or width & (width - 1) or v_dim % width:
+        return None
+    return width if k_dim * width * dtype.itemsize <= _QDQ_TILE_BYTES else None
 
 
 # -------------------------------------------------------------------------------------------
@@ -166,7 +194,8 @@ def _dot32(a, b):
 def _chunk_gdn_prepare_kernel(
     q, k, g, beta, gc, ai, aqk, scratch, spans, T,
     H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-    IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
+    IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, WITH_M: tl.constexpr,
+    WITH_AI: tl.constexpr,
 ):
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     if IS_VARLEN:  # index loads in the kernel body: see _launch.py
@@ -190,48 +219,51 @@ def _chunk_gdn_prepare_kernel(
     # M = (q k^T) exp(G_i - G_j), j <= i
     m_lower = o_t[:, None] >= o_t[None, :]
     b_d = tl.exp(tl.where(m_lower, b_gc[:, None] - b_gc[None, :], float("-inf")))
-    b_m = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC) * b_d
-    tl.store(aqk + o_m, b_m.to(aqk.dtype.element_ty), mask=m_r[:, None])
-    # A = beta_i (k_i . k_j) exp(G_i - G_j), j < i, float32, through the scratch buffer
-    b_a = tl.dot(b_k, tl.trans(b_k), input_precision=DOT_PREC) * b_d
-    b_a = tl.where(o_t[:, None] > o_t[None, :], b_beta[:, None] * b_a, 0.0)
-    tl.store(scratch + o_m, b_a, mask=m_r[:, None])
-    tl.debug_barrier()
+    if WITH_M:
+        b_m = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC) * b_d
+        tl.store(aqk + o_m, b_m.to(aqk.dtype.element_ty), mask=m_r[:, None])
+    if WITH_AI:
+        # A = beta_i (k_i . k_j) exp(G_i - G_j), j < i, float32, through the scratch buffer
+        b_a = tl.dot(b_k, tl.trans(b_k), input_precision=DOT_PREC) * b_d
+        b_a = tl.where(o_t[:, None] > o_t[None, :], b_beta[:, None] * b_a, 0.0)
+        tl.store(scratch + o_m, b_a, mask=m_r[:, None])
+        tl.debug_barrier()
 
-    # (I + A)^-1 in 16 x 16 blocks: diagonal blocks by inv_unit_lower, then block products
-    scratch += i_h * BT
-    ai += i_h * BT
-    r1 = t0 + tl.arange(0, BC)
-    r2 = r1 + BC
-    r3 = r2 + BC
-    r4 = r3 + BC
-    b_i11 = inv_unit_lower(_load_block(scratch, r1, eos, 0, H, BT, BC))
-    _store_block(ai, b_i11, r1, eos, 0, H, BT)
-    b_i22 = inv_unit_lower(_load_block(scratch, r2, eos, BC, H, BT, BC))
-    b_a21 = _load_block(scratch, r2, eos, 0, H, BT, BC)
-    b_i21 = -_dot32(_dot32(b_i22, b_a21), b_i11)
-    _store_block(ai, b_i21, r2, eos, 0, H, BT)
-    _store_block(ai, b_i22, r2, eos, BC, H, BT)
-    b_i33 = inv_unit_lower(_load_block(scratch, r3, eos, 2 * BC, H, BT, BC))
-    b_a31 = _load_block(scratch, r3, eos, 0, H, BT, BC)
-    b_a32 = _load_block(scratch, r3, eos, BC, H, BT, BC)
-    b_i32 = -_dot32(_dot32(b_i33, b_a32), b_i22)
-    b_i31 = -_dot32(b_i33, _dot32(b_a31, b_i11) + _dot32(b_a32, b_i21))
-    _store_block(ai, b_i31, r3, eos, 0, H, BT)
-    _store_block(ai, b_i32, r3, eos, BC, H, BT)
-    _store_block(ai, b_i33, r3, eos, 2 * BC, H, BT)
-    b_i44 = inv_unit_lower(_load_block(scratch, r4, eos, 3 * BC, H, BT, BC))
-    b_a41 = _load_block(scratch, r4, eos, 0, H, BT, BC)
-    b_a42 = _load_block(scratch, r4, eos, BC, H, BT, BC)
-    b_a43 = _load_block(scratch, r4, eos, 2 * BC, H, BT, BC)
-    b_i43 = -_dot32(_dot32(b_i44, b_a43), b_i33)
-    b_i42 = -_dot32(b_i44, _dot32(b_a42, b_i22) + _dot32(b_a43, b_i32))
-    b_i41 = -_dot32(b_i44, _dot32(b_a41, b_i11) + _dot32(b_a42, b_i21) + _dot32(b_a43, b_i31))
-    _store_block(ai, b_i41, r4, eos, 0, H, BT)
-    _store_block(ai, b_i42, r4, eos, BC, H, BT)
-    _store_block(ai, b_i43, r4, eos, 2 * BC, H, BT)
-    _store_block(ai, b_i44, r4, eos, 3 * BC, H, BT)
-    _store_upper_zeros(ai, r1, r2, r3, eos, H, BT, BC)
+        # (I + A)^-1 in 16 x 16 blocks: diagonal blocks by inv_unit_lower, then block products
+        scratch += i_h * BT
+        ai += i_h * BT
+        r1 = t0 + tl.arange(0, BC)
+        r2 = r1 + BC
+        r3 = r2 + BC
+        r4 = r3 + BC
+        b_i11 = inv_unit_lower(_load_block(scratch, r1, eos, 0, H, BT, BC))
+        _store_block(ai, b_i11, r1, eos, 0, H, BT)
+        b_i22 = inv_unit_lower(_load_block(scratch, r2, eos, BC, H, BT, BC))
+        b_a21 = _load_block(scratch, r2, eos, 0, H, BT, BC)
+        b_i21 = -_dot32(_dot32(b_i22, b_a21), b_i11)
+        _store_block(ai, b_i21, r2, eos, 0, H, BT)
+        _store_block(ai, b_i22, r2, eos, BC, H, BT)
+        b_i33 = inv_unit_lower(_load_block(scratch, r3, eos, 2 * BC, H, BT, BC))
+        b_a31 = _load_block(scratch, r3, eos, 0, H, BT, BC)
+        b_a32 = _load_block(scratch, r3, eos, BC, H, BT, BC)
+        b_i32 = -_dot32(_dot32(b_i33, b_a32), b_i22)
+        b_i31 = -_dot32(b_i33, _dot32(b_a31, b_i11) + _dot32(b_a32, b_i21))
+        _store_block(ai, b_i31, r3, eos, 0, H, BT)
+        _store_block(ai, b_i32, r3, eos, BC, H, BT)
+        _store_block(ai, b_i33, r3, eos, 2 * BC, H, BT)
+        b_i44 = inv_unit_lower(_load_block(scratch, r4, eos, 3 * BC, H, BT, BC))
+        b_a41 = _load_block(scratch, r4, eos, 0, H, BT, BC)
+        b_a42 = _load_block(scratch, r4, eos, BC, H, BT, BC)
+        b_a43 = _load_block(scratch, r4, eos, 2 * BC, H, BT, BC)
+        b_i43 = -_dot32(_dot32(b_i44, b_a43), b_i33)
+        b_i42 = -_dot32(b_i44, _dot32(b_a42, b_i22) + _dot32(b_a43, b_i32))
+        b_i41 = -_dot32(b_i44, _dot32(b_a41, b_i11) + _dot32(b_a42, b_i21)
+                        + _dot32(b_a43, b_i31))
+        _store_block(ai, b_i41, r4, eos, 0, H, BT)
+        _store_block(ai, b_i42, r4, eos, BC, H, BT)
+        _store_block(ai, b_i43, r4, eos, 2 * BC, H, BT)
+        _store_block(ai, b_i44, r4, eos, 3 * BC, H, BT)
+        _store_upper_zeros(ai, r1, r2, r3, eos, H, BT, BC)
 
 
 # -------------------------------------------------------------------------------------------
@@ -239,11 +271,27 @@ def _chunk_gdn_prepare_kernel(
 
 
 @triton.jit
+def _qdq_state(b_h, hs, hs_scales, chunk, remaining, i_h, i_v, H: tl.constexpr,
+               K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, SOFT_CAST: tl.constexpr):
+    """E4M3 QDQ of the state tile ``[K, BV]`` (one scale tile), saved as the start state of
+    flat chunk ``chunk`` (float8 values, float32 scale) when tokens ``remaining`` follow."""
+    b_h, b_values, b_s = qdq_tile(b_h, SOFT_CAST)
+    if hs is not None:
+        if remaining > 0:
+            p_s = hs + (chunk * H + i_h) * K * V
+            tl.store(p_s + tl.arange(0, K)[:, None] * V + i_v * BV + tl.arange(0, BV)[None, :],
+                     b_values)
+            tl.store(hs_scales + (chunk * H + i_h) * (V // BV) + i_v, b_s)
+    return b_h
+
+
+@triton.jit
 def _chunk_gdn_fwd_kernel(
-    q, k, v, gc, beta, ai, aqk, o, h0, ht, hs, cu_seqlens, offsets, scale, T,
+    q, k, v, gc, beta, ai, aqk, w, o, h0, ht, hs, hs_scales, cu_seqlens, offsets, scale, T,
     H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BV: tl.constexpr, HAS_H0: tl.constexpr, RECOMPUTE: tl.constexpr,
     STATE_V_FIRST: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
+    STATE_QDQ: tl.constexpr, SOFT_CAST: tl.constexpr, WY: tl.constexpr,
 ):
     scale = tl.cast(scale, tl.float32)  # Inductor passes Python floats as fp64
     i_nh, i_v = tl.program_id(0), tl.program_id(1)
@@ -260,19 +308,25 @@ def _chunk_gdn_fwd_kernel(
     if HAS_H0:
         b_h += tl.load(h0 + i_nh.to(tl.int64) * K * V
                        + state_tile(i_v, K, V, BV, STATE_V_FIRST)).to(tl.float32)
+    if STATE_QDQ:  # the initial state, then each chunk's final state
+        b_h = _qdq_state(b_h, hs, hs_scales, c0, eos - bos, i_h, i_v, H, K, V, BV, SOFT_CAST)
     o_t = tl.arange(0, BT)
     q += (bos * HK + i_hk) * K
     k += (bos * HK + i_hk) * K
     v += (bos * H + i_h) * V
     gc += bos * H + i_h
-    beta += bos * H + i_h
-    ai += (bos * H + i_h) * BT
-    aqk += (bos * H + i_h) * BT
+    if WY:
+        w += (bos * H + i_h) * K
+    else:
+        beta += bos * H + i_h
+        ai += (bos * H + i_h) * BT
+    if not RECOMPUTE:
+        aqk += (bos * H + i_h) * BT
     length = eos - bos
     o_k = tl.arange(0, K)
     o_v = i_v * BV + tl.arange(0, BV)
     for i_t in range(0, tl.cdiv(length, BT)):
-        if RECOMPUTE:
+        if RECOMPUTE and not STATE_QDQ:  # (with STATE_QDQ, _qdq_state saves them)
             p_hs = hs + ((c0 + i_t) * H + i_h) * K * V
             tl.store(p_hs + o_k[:, None] * V + o_v[None, :], b_h.to(hs.dtype.element_ty))
         rows = i_t * BT + o_t
@@ -280,15 +334,18 @@ def _chunk_gdn_fwd_kernel(
         last = tl.minimum(i_t * BT + BT, length) - 1
         b_k = tl.load(k + rows[:, None] * (HK * K) + o_k[None, :], mask=m_r, other=0.0)
         b_v = tl.load(v + rows[:, None] * (H * V) + o_v[None, :], mask=m_r, other=0.0)
-        b_ai = tl.load(ai + rows[:, None] * (H * BT) + o_t[None, :], mask=m_r, other=0.0)
         b_gc = tl.load(gc + tl.minimum(rows, last) * H)
         b_gl = tl.load(gc + last * H)
-        b_beta = tl.load(beta + rows * H, mask=rows < length, other=0.0).to(tl.float32)
         b_hc = b_h.to(dt)
-        # delta = Ai (beta (v - e^G (k S)))
-        b_ks = tl.dot(b_k, b_hc, input_precision=DOT_PREC)
-        b_x = b_beta[:, None] * (b_v.to(tl.float32) - tl.exp(b_gc)[:, None] * b_ks)
-        b_d = tl.dot(b_ai, b_x.to(dt), input_precision=DOT_PREC)
+        if WY:  # delta = U - W S: W and U given (v holds U)
+            b_w = tl.load(w + rows[:, None] * (H * K) + o_k[None, :], mask=m_r, other=0.0)
+            b_d = b_v.to(tl.float32) - tl.dot(b_w.to(dt), b_hc, input_precision=DOT_PREC)
+        else:  # delta = Ai (beta (v - e^G (k S)))
+            b_ai = tl.load(ai + rows[:, None] * (H * BT) + o_t[None, :], mask=m_r, other=0.0)
+            b_beta = tl.load(beta + rows * H, mask=rows < length, other=0.0).to(tl.float32)
+            b_ks = tl.dot(b_k, b_hc, input_precision=DOT_PREC)
+            b_x = b_beta[:, None] * (b_v.to(tl.float32) - tl.exp(b_gc)[:, None] * b_ks)
+            b_d = tl.dot(b_ai, b_x.to(dt), input_precision=DOT_PREC)
         if not RECOMPUTE:
             b_q = tl.load(q + rows[:, None] * (HK * K) + o_k[None, :], mask=m_r, other=0.0)
             b_m = tl.load(aqk + rows[:, None] * (H * BT) + o_t[None, :], mask=m_r, other=0.0)
@@ -299,48 +356,63 @@ def _chunk_gdn_fwd_kernel(
         # S <- e^{G_last} S + k^T (e^{G_last - G} delta)
         b_dl = (tl.exp(b_gl - b_gc)[:, None] * b_d).to(dt)
         b_h = b_h * tl.exp(b_gl) + tl.dot(tl.trans(b_k), b_dl, input_precision=DOT_PREC)
+        if STATE_QDQ:
+            b_h = _qdq_state(b_h, hs, hs_scales, c0 + i_t + 1, length - (i_t + 1) * BT, i_h,
+                             i_v, H, K, V, BV, SOFT_CAST)
     if not RECOMPUTE:
         tl.store(ht + i_nh.to(tl.int64) * K * V + state_tile(i_v, K, V, BV, STATE_V_FIRST), b_h)
 
 
-def gdn_prepare(q, k, g, beta, cu_seqlens, layout):
+def gdn_prepare(q, k, g, beta, cu_seqlens, layout, *, with_m=True, with_ai=True):
     """Launch the prepare kernel: ``(G, Ai, M)``; ``G`` float32 ``[B, T, Hv]``, ``Ai`` and
-    ``M`` ``[B, T, Hv, 64]`` in ``k``'s dtype (row ``t`` of its chunk's matrix)."""
+    ``M`` ``[B, T, Hv, 64]`` in ``k``'s dtype (row ``t`` of its chunk's matrix). Without
+    ``with_m`` (``q`` unused) or ``with_ai`` (``beta`` may be None) that one is None."""
     batch, length, n, hk, hv, dk, _, bound, _, spans = layout
     gc = torch.empty(g.shape, dtype=torch.float32, device=g.device)
-    ai = k.new_empty((batch, length, hv, CHUNK))
-    aqk = k.new_empty((batch, length, hv, CHUNK))
-    scratch = torch.empty((batch, length, hv, CHUNK), dtype=torch.float32, device=k.device)
+    ai = k.new_empty((batch, length, hv, CHUNK)) if with_ai else None
+    aqk = k.new_empty((batch, length, hv, CHUNK)) if with_m else None
+    scratch = (torch.empty((batch, length, hv, CHUNK), dtype=torch.float32, device=k.device)
+               if with_ai else None)
     wrap_triton(_chunk_gdn_prepare_kernel)[(bound, hv)](
-        q, k, g, beta, gc, ai, aqk, scratch, spans, length,
+        k if q is None else q, k, g, g if beta is None else beta,  # (read, unused)
+        gc, ai, aqk, scratch, spans, length,
         H=hv, HK=hk, K=dk, BT=CHUNK, BC=_SUB,
         IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(k.dtype),
-        num_warps=4,
+        WITH_M=with_m, WITH_AI=with_ai, num_warps=4,
     )
     return gc, ai, aqk
 
 
 def _recurrence(q, k, v, gc, beta, ai, aqk, initial_state, cu_seqlens, layout, *,
-                scale, state_v_first, recompute):
+                scale, state_v_first, recompute, qdq_block_v=0, w=None):
+    """The recurrence kernel: ``(o, ht, hs, hs_scales)``. ``recompute``: no ``o`` and ``ht``,
+    the start state of every chunk in ``hs``. ``qdq_block_v > 0``: state QDQ, one program
+    per scale tile, and ``hs`` (saved on either path) float8 with its ``hs_scales``.
+    ``w``: the WY operands given, ``W`` and ``U`` in ``v`` (``beta``, ``ai`` unused)."""
     batch, length, n, hk, hv, dk, dv, bound, offsets, _ = layout
     tile, stages, warps = recurrence_config(dk, dv, k.dtype, n * hv, v.device)
+    if qdq_block_v:
+        tile = qdq_tile_width(dk, dv, qdq_block_v, k.dtype)
     shape = (n, hv, dv, dk) if state_v_first else (n, hv, dk, dv)
-    if recompute:
-        o = ht = None
-        hs = k.new_empty((bound, hv, dk, dv))
-    else:
-        o = torch.empty_like(v)
+    o = ht = hs = hs_scales = None
+    if not recompute:
+        o = torch.empty(v.shape, dtype=q.dtype, device=v.device)
         ht = torch.empty(shape, dtype=torch.float32, device=v.device)
-        hs = None
+    if qdq_block_v:
+        hs = torch.empty((bound, hv, dk, dv), dtype=torch.float8_e4m3fn, device=v.device)
+        hs_scales = torch.empty((bound, hv, dv // tile), dtype=torch.float32, device=v.device)
+    elif recompute:
+        hs = k.new_empty((bound, hv, dk, dv))
     wrap_triton(_chunk_gdn_fwd_kernel)[(n * hv, dv // tile)](
-        q, k, v, gc, beta, ai, aqk, o, initial_state, ht, hs, cu_seqlens, offsets,
+        q, k, v, gc, beta, ai, aqk, w, o, initial_state, ht, hs, hs_scales, cu_seqlens, offsets,
         scale, length,
         H=hv, HK=hk, K=dk, V=dv, BT=CHUNK, BV=tile,
         HAS_H0=initial_state is not None, RECOMPUTE=recompute,
         STATE_V_FIRST=state_v_first, IS_VARLEN=cu_seqlens is not None,
-        DOT_PREC=dot_precision(k.dtype), num_warps=warps, num_stages=stages,
+        DOT_PREC=dot_precision(k.dtype), STATE_QDQ=bool(qdq_block_v), SOFT_CAST=soft_cast(),
+        WY=w is not None, num_warps=warps, num_stages=stages,
     )
-    return o, ht, hs
+    return o, ht, hs, hs_scales
 
 
 def _scale(scale, q):
@@ -348,7 +420,7 @@ def _scale(scale, q):
 
 
 def chunk_gdn_fwd(q, k, v, g, beta, initial_state, cu_seqlens, *, chunk_size, scale,
-                  state_v_first):
+                  state_v_first, state_qdq=False, state_qdq_block_v=64):
     """Chunked GDN forward on the GPU (or under ``TRITON_INTERPRET=1``).
 
     Args:
@@ -360,36 +432,48 @@ def chunk_gdn_fwd(q, k, v, g, beta, initial_state, cu_seqlens, *, chunk_size, sc
         cu_seqlens: ``[N + 1]`` int32/int64 on the device, ``B == 1``; or None.
         chunk_size: must be 64 (see :func:`gdn_kernel_supports`).
         scale: output scale (None: ``K ** -0.5``).
+        state_qdq: E4M3 fake quantization of the state (:mod:`.fp8`), one scale per
+            ``[K, state_qdq_block_v]`` tile of the key-first state: the initial state,
+            then each chunk's final state after that chunk's readout.
 
     Raises:
         ValueError: inputs that :func:`gdn_kernel_supports` does not cover.
 
     Returns:
-        ``(o, final_state, gc, ai, aqk)``: ``o`` like ``v``; ``final_state`` float32
-        in the layout of ``initial_state``; then what :func:`chunk_gdn_bwd` can take
-        as ``prepared`` instead of launching the prepare kernel again: the in-chunk
-        cumulative gates ``gc`` (float32 ``[B, T, Hv]``), ``Ai = (I + A)^-1`` and
-        ``M`` (``[B, T, Hv, 64]`` in ``k``'s dtype, row ``t`` of its chunk's matrix).
+        ``(o, final_state, gc, ai, aqk, hs, hs_scales)``: ``o`` like ``v``;
+        ``final_state`` float32 in the layout of ``initial_state``; then what
+        :func:`chunk_gdn_bwd` can take as ``prepared`` instead of launching kernels
+        again: the in-chunk cumulative gates ``gc`` (float32 ``[B, T, Hv]``),
+        ``Ai = (I + A)^-1`` and ``M`` (``[B, T, Hv, 64]`` in ``k``'s dtype, row ``t`` of its
+        chunk's matrix) and, with ``state_qdq``, the start state of every chunk as it
+        is exactly: float8 ``hs [chunks bound, Hv, K, V]`` (key-first) times float32
+        ``hs_scales [chunks bound, Hv, V / BV]`` (one per ``[K, BV]`` tile, ``BV =
+        min(state_qdq_block_v, V)``); None without.
 
     Math: :func:`kdn_compile.reference.chunk_gdn_reference` (FLA's WY form).
     """
-    require_gdn_kernels(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size)
+    require_gdn_kernels(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size,
+                        state_qdq=state_qdq, state_qdq_block_v=state_qdq_block_v)
     q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
     if initial_state is not None:
         initial_state = initial_state.contiguous()
     layout = gdn_layout(q, v, cu_seqlens)
     gc, ai, aqk = gdn_prepare(q, k, g, beta, cu_seqlens, layout)
-    o, ht, _ = _recurrence(
+    o, ht, hs, hs_scales = _recurrence(
         q, k, v, gc, beta, ai, aqk, initial_state, cu_seqlens, layout,
         scale=_scale(scale, q), state_v_first=state_v_first, recompute=False,
+        qdq_block_v=state_qdq_block_v if state_qdq else 0,
     )
-    return o, ht, gc, ai, aqk
+    return o, ht, gc, ai, aqk, hs, hs_scales
 
 
 def gdn_recompute_states(k, v, gc, beta, ai, initial_state, cu_seqlens, layout, *,
-                         state_v_first):
-    """Start state of every chunk, ``[chunks bound, Hv, K, V]`` in ``k``'s dtype (backward)."""
+                         state_v_first, qdq_block_v=0, w=None):
+    """Start state of every chunk (backward): ``(hs, None)``, ``hs [chunks bound, Hv, K,
+    V]`` in ``k``'s dtype; with ``qdq_block_v > 0`` (state QDQ) float8 ``hs`` and its
+    scales, as :func:`chunk_gdn_fwd` returns them. ``w``: from the WY operands ``W`` and
+    ``U`` (in ``v``; ``beta`` and ``ai`` None)."""
     return _recurrence(
-        k, k, v, gc, beta, ai, ai, initial_state, cu_seqlens, layout,
-        scale=1.0, state_v_first=state_v_first, recompute=True,
-    )[2]
+        k, k, v, gc, beta, ai, None, initial_state, cu_seqlens, layout,
+        scale=1.0, state_v_first=state_v_first, recompute=True, qdq_block_v=qdq_block_v, w=w,
+    )[2:]

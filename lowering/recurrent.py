@@ -18,22 +18,21 @@ written once per call whatever ``T`` is: the cost of a decode step is that traff
 A negative slot marks a padding row: its output is zeros and nothing else is read or
 written. One program of each decode launch also checks every index (none ``>= S``, no
 non-negative one repeated) into a flag that the op asserts on without a host sync; a slot
-``>= S`` is skipped like a padding row, so no launch touches memory past the pool. Float8 stores round as
-:func:`kdn_compile.reference.fp8.quantize_state_fp8`: ``scale = amax / 448`` of the
-tile (1 when all zero) and values ``state / scale`` to nearest-even E4M3 (a correctly
-rounded division, ``div_rn``), so a kernel's pool equals the reference's bit for bit on the
-same float32 state. Launchers size grids from shapes alone and
-never synchronize: every call can be captured in a CUDA graph.
+``>= S`` is skipped like a padding row, so no launch touches memory past the pool. Float8
+pools are read and written by the tile helpers of :mod:`.fp8`, so a kernel's pool equals
+:func:`kdn_compile.reference.fp8.quantize_state_fp8` bit for bit on the same float32
+state. Launchers size grids from shapes alone and never synchronize: every call can be
+captured in a CUDA graph.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
 import triton.language as tl
 from torch.library import wrap_triton
+
+from .fp8 import dequantize_tile, quantize_tile, soft_cast
 
 __all__ = [
     "FP8_BLOCK_V", "decode_config", "recurrent_delta_fwd", "recurrent_kernel_supports",
@@ -41,7 +40,6 @@ __all__ = [
 ]
 
 FP8_BLOCK_V = 64  # value columns per float8 scale: one program owns one scale tile
-_E4M3_MAX = 448.0
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _STATE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MAX_HEAD_DIM = 256  # a [256, BV] float32 tile still fits in registers at BV <= 32
@@ -89,35 +87,6 @@ def _repeats(rows, r_ids, cols, c_ids, c_mask):
     id) among ``cols``."""
     repeated = (rows[:, None] == cols[None, :]) & (rows[:, None] >= 0)
     return (repeated & (r_ids[:, None] < c_ids[None, :]) & c_mask[None, :]).to(tl.int32)
-
-
-@triton.jit
-def _round_to_e4m3(y):
-    """``y`` (float32, ``|y| <= 448``) rounded to the nearest E4M3 value, ties to even, as
-    float32: ``y`` in units of its E4M3 spacing ``2^(max(e, -6) - 3)``, rounded to an
-    integer by the ``1.5 * 2^23`` addition, so that the cast to float8 that follows is exact:
-    Triton's interpreter rounds some float8 casts wrongly (1.955 to 1.0, triton 3.9)."""
-    magnitude = tl.abs(y)
-    bits = magnitude.to(tl.int32, bitcast=True)
-    exponent = tl.maximum((bits >> 23) - 127, -6)
-    spacing = ((exponent - 3 + 127) << 23).to(tl.float32, bitcast=True)
-    units = magnitude / spacing  # exact: a power of two
-    units = (units + 12582912.0) - 12582912.0
-    rounded = units * spacing
-    return tl.where(y < 0, -rounded, rounded)  # -0.0 where a negative value rounds to zero
-
-
-@triton.jit
-def _fp8_tile(b_h, BOUND: tl.constexpr, SOFT_CAST: tl.constexpr):
-    """``(values, scale)``: a float32 tile as E4M3 and its dynamic scale (``amax * (1 /
-    BOUND)``, 1 if 0). The GPU's conversion rounds to nearest even; ``SOFT_CAST`` (the
-    interpreter) rounds first with :func:`_round_to_e4m3`."""
-    amax = tl.max(tl.max(tl.abs(b_h), axis=1), axis=0)
-    s = tl.where(amax > 0, amax * (1.0 / BOUND), 1.0)
-    scaled = tl.math.div_rn(b_h, s + tl.zeros_like(b_h))
-    if SOFT_CAST:
-        scaled = _round_to_e4m3(scaled)
-    return scaled.to(tl.float8e4nv), s
 
 
 @triton.jit
@@ -176,8 +145,9 @@ def _recurrent_delta_kernel(
     if LOAD == 1:
         b_h = tl.load(state_in + base + p_tile, mask=m_h, other=0).to(tl.float32)
     if LOAD == 2:  # masked lanes are undefined bytes until the where
-        b_h = tl.load(state_in + base + p_tile, mask=m_h).to(tl.float32)
-        b_h = tl.where(m_h, b_h * tl.load(scales_in + (row * HV + i_h) * NS + i_v), 0.0)
+        b_h = tl.load(state_in + base + p_tile, mask=m_h)
+        b_h = tl.where(m_h, dequantize_tile(b_h, tl.load(scales_in + (row * HV + i_h) * NS + i_v)),
+                       0.0)
 
     for t in range(bos, eos):
         b_q = tl.load(q + (t * HK + i_hk) * K + o_k, mask=m_k, other=0).to(tl.float32) * scale
@@ -205,7 +175,7 @@ def _recurrent_delta_kernel(
     if STORE == 1:
         tl.store(state_out + base + p_tile, b_h.to(state_out.dtype.element_ty), mask=m_h)
     if STORE == 2:
-        values, s = _fp8_tile(b_h, 448.0, SOFT_CAST)
+        values, s = quantize_tile(b_h, SOFT_CAST)
         tl.store(state_out + base + p_tile, values, mask=m_h)
         tl.store(scales_out + (row * HV + i_h) * NS + i_v, s)
 
@@ -284,7 +254,7 @@ def recurrent_delta_fwd(
         STATE_V_FIRST=state_v_first, LOAD=_state_kind(state_in), STORE=_state_kind(state_out),
         SLOTS=indices is not None, VARLEN=cu_seqlens is not None,
         INTER=intermediate is not None, CHECK_BLOCK=_CHECK_BLOCK,
-        SOFT_CAST=os.environ.get("TRITON_INTERPRET") == "1", WRITE_KEY=write_key is not None,
+        SOFT_CAST=soft_cast(), WRITE_KEY=write_key is not None,
         FLOOR=gate_floor is not None, num_warps=warps,
     )
     return o, ok

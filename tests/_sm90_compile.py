@@ -3,8 +3,9 @@
 Run as a script without ``TRITON_INTERPRET`` (``@triton.jit`` must build real
 JIT functions). The op layer is forced onto the kernel path on CPU tensors and
 ``wrap_triton`` is replaced by a recorder, so each launcher runs its host code
-(grids, allocations, arguments) and records one launch per kernel without running
-it. Each recorded kernel is then compiled by Triton for an H100/H200
+(grids, allocations, arguments) and records its launches without running them. The
+first launch of each kernel and code path (the constexpr flags of :data:`_VARIANT_FLAGS`)
+is then compiled by Triton for an H100/H200
 (``GPUTarget("cuda", 90, 32)``, no GPU needed) with Python floats typed ``fp64``
 and ints ``i32``, as Inductor's generated code types them. Prints one line per
 kernel, ``ok`` or the error, and exits non-zero if any failed, or if torch's
@@ -29,7 +30,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 import kdn_compile  # noqa: E402
 from _helpers import launch_recorder, launcher_modules  # noqa: E402
-from kdn_compile.ops import decode, gdn, kda, kdn, recurrent, slots  # noqa: E402
+from kdn_compile.ops import decode, fp8, gdn, gdn_wy, kda, kdn, recurrent, slots  # noqa: E402
 
 
 def _type(value, float_type: str) -> str:
@@ -88,6 +89,18 @@ def _run_ops(B, T, H, K, dtypes):
                           initial_state=h0[:b] if cu is None else h0[:1].expand(2, -1, -1, -1),
                           cu_seqlens=cu)
                 torch.autograd.grad(o.sum() + s.sum(), [q, k, v])
+        # FP8 state quantization: its recurrence and gradient variants, the standalone QDQ
+        o, s = kdn_compile.chunk_gdn(q, k, v, -torch.rand(B, T, H, generator=gen).to(dtype),
+                                     beta, initial_state=h0, state_qdq=True)
+        torch.autograd.grad(o.sum() + s.sum(), [q, k, v])
+        kdn_compile.state_fp8_qdq(h0.detach().to(dtype), 48)
+        kdn_compile.state_fp8_qdq(r(B, H, 3 * K, K).to(dtype))
+        # w_quantizer: the WY operands and the recurrence from them, with and without QDQ
+        for state_qdq in (False, True):
+            o, s = kdn_compile.chunk_gdn(q, k, v, -torch.rand(B, T, H, generator=gen).to(dtype),
+                                         beta, initial_state=h0, state_qdq=state_qdq,
+                                         w_quantizer=lambda w: 0.5 * w)
+            torch.autograd.grad(o.sum() + s.sum(), [q, k, v])
         x = {n: r(B, T, H, K).to(dtype).requires_grad_() for n in ("q", "k", "v", "log_alpha",
                                                                    "omega")}
         with torch.no_grad():
@@ -144,7 +157,7 @@ def record_launches(B=1, T=70, H=2, K=64, dtypes=(torch.bfloat16, torch.float32)
             module.launch_directly = False
         if sms is not None and hasattr(module, "sm_count"):
             module.sm_count = lambda device: sms
-    for module in (gdn, kda, kdn, recurrent, decode, slots):
+    for module in (gdn, gdn_wy, kda, kdn, recurrent, decode, slots, fp8):
         module.can_launch = lambda x: True
     # The kernels are real JIT functions by now; the gain's support check reads this
     # variable at call time to allow CPU tensors.
@@ -180,11 +193,21 @@ def written_indices(kernel, args, kwargs) -> set[str]:
     return writes & _INDEX_TENSORS
 
 
+# Constexpr flags that select another code path of a kernel: each value compiled on its own.
+_VARIANT_FLAGS = ("STATE_QDQ", "QBV", "SINGLE", "WY", "WITH_M", "WITH_AI")
+
+
+def variant(kernel, kwargs) -> str:
+    """A kernel's name, with the path-selecting flags it was launched with."""
+    flags = [f"{f}={kwargs[f]}" for f in _VARIANT_FLAGS if f in kwargs]
+    return kernel.fn.__name__ + (f"[{','.join(flags)}]" if flags else "")
+
+
 def main() -> int:
     launches = record_launches(every=True)
     first = {}
     for kernel, _, args, kwargs in launches:
-        first.setdefault(kernel.fn.__name__, (kernel, args, kwargs))
+        first.setdefault(variant(kernel, kwargs), (kernel, args, kwargs))
     # torch's analysis asks the active driver for the target: give it sm_90 without a GPU
     triton.runtime.driver.set_active(types.SimpleNamespace(
         get_current_target=lambda: GPUTarget("cuda", 90, 32)))

@@ -2,8 +2,9 @@
 
 ``python tests/_trace_kernel_path.py export`` exports the GDN, KDA and Diag-KDN layers
 with a dynamic length and prints ``exported`` and the ``kdn`` ops of each graph.
-``python tests/_trace_kernel_path.py {gdn,gain,kda,kdn}`` compiles a call of the op
-``kdn::chunk_gdn`` (``gdn``), ``kdn::diag_kdn`` (gain kernels, memory by the reference math: ``gain``),
+``python tests/_trace_kernel_path.py {gdn,gdn-qdq,wy,gain,kda,kdn}`` compiles a call of the op
+``kdn::chunk_gdn`` (``gdn``; ``gdn-qdq`` with FP8 state QDQ), ``chunk_gdn`` with a
+``w_quantizer`` (``wy``: the two ops of ``kdn_compile.ops.gdn_wy``), ``kdn::diag_kdn`` (gain kernels, memory by the reference math: ``gain``),
 ``kdn::chunk_kda`` (``kda``) or ``kdn::diag_kdn`` with the memory on the two-key
 kernels (``kdn``), all its outputs returned as opcheck's AOT-dispatch test does, with
 ``fullgraph=True, dynamic=True`` through AOTAutograd: the op's saved outputs,
@@ -29,6 +30,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import kdn_compile  # noqa: E402
 from _helpers import delta_inputs, kdn_inputs  # noqa: E402
 from kdn_compile.ops import gdn as gdn_ops  # noqa: E402
+from kdn_compile.ops import gdn_wy as gdn_wy_ops  # noqa: E402
 from kdn_compile.ops import kda as kda_ops  # noqa: E402
 from kdn_compile.ops import kdn as kdn_ops  # noqa: E402
 
@@ -59,7 +61,8 @@ def export_layers() -> None:
 
 def main(which: str) -> None:
     triton.runtime.driver.set_active(_Sm90())
-    gdn_ops.can_launch = kda_ops.can_launch = kdn_ops.can_launch = lambda x: True
+    gdn_ops.can_launch = gdn_wy_ops.can_launch = lambda x: True
+    kda_ops.can_launch = kdn_ops.can_launch = lambda x: True
     kdn_ops.kalman_gain_kernel_supports = lambda *args: True
     if which == "export":
         return export_layers()
@@ -72,12 +75,18 @@ def main(which: str) -> None:
             raise _Captured
         return run
 
-    if which == "gdn":
+    if which in ("gdn", "gdn-qdq"):  # gdn-qdq: FP8 state QDQ, the float8 states saved
         x = delta_inputs(B=2, T=70, Hk=1, Hv=2, K=16, V=16, dtype=torch.float32)
 
         def step(q, k, v, g, beta, initial_state):
             return torch.ops.kdn.chunk_gdn(q, k, v, g, beta, initial_state, None, 64, 0.25,
-                                           False, False, 64)
+                                           False, which == "gdn-qdq", 64)
+    elif which == "wy":  # chunk_gdn with a w_quantizer: two ops, a PyTorch callable between
+        x = delta_inputs(B=2, T=70, Hk=1, Hv=2, K=16, V=16, dtype=torch.float32)
+
+        def step(q, k, v, g, beta, initial_state):
+            return kdn_compile.chunk_gdn(q, k, v, g, beta, initial_state=initial_state,
+                                         w_quantizer=lambda w: w.clamp(-0.5, 0.5))
     elif which == "kda":
         x = delta_inputs(B=2, T=70, Hk=1, Hv=2, K=16, V=16, per_key=True, dtype=torch.float32)
 

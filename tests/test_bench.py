@@ -98,6 +98,17 @@ def test_table_counts_graph_breaks():
     assert lines[2] == "| train step | 2x4096x16 | 3.000 | 4.000 | 0.75 | 0 | 6 |"
 
 
+def test_table_divides_by_the_named_implementation():
+    rows = [{"family": "qat", "case": "fwd+bwd", "impl": impl, "ms": ms, "peak_mib": mib,
+             "batch": 8, "length": 4096, "heads": 16, **extra}
+            for impl, ms, mib, extra in (("plain", 4.0, 900.0, {}),
+                                         ("state_qdq", 3.0, 800.0, {"versus": "plain"}))]
+    lines = report.table(rows).splitlines()
+    assert lines[0] == ("| case | B x T x H | plain ms | state_qdq ms | state_qdq / plain | "
+                        "plain peak MiB | state_qdq peak MiB |")
+    assert lines[2] == "| fwd+bwd | 8x4096x16 | 4.000 | 3.000 | 0.75 | 900 | 800 |"
+
+
 def test_write_json_rows_and_markdown(tmp_path):
     paths = report.write(str(tmp_path / "out"), [("KDA", fake_rows())], META, "kdn-compile bench")
     rows = json.loads((tmp_path / "out" / "rows.json").read_text())

@@ -6,6 +6,7 @@ import re
 import subprocess
 import sys
 
+import pytest
 import torch
 
 import kdn_compile
@@ -50,6 +51,19 @@ def test_demo_other_layers_eager_in_process(capsys):
         out = capsys.readouterr().out
         assert "MISMATCH" not in out and out.count("(ok)") == 2, out
         assert f"ops: {op}" in out, out
+
+
+def test_demo_quantization_aware_training_in_process(capsys):
+    """``--state-qdq``: GDN layers with FP8 state QDQ and the fake quantizer of W train under
+    torch.compile(fullgraph=True) without a graph break; the checks after run unquantized."""
+    main(["demo", "--state-qdq", "--steps", "2", "--batch", "2", "--length", "16", "--dim",
+          "16", "--compile-backend", "aot_eager", "--device", "cpu", "--generate", "2"])
+    out = capsys.readouterr().out
+    assert "quantization-aware: FP8 state QDQ and fp8_row_qdq on W" in out, out
+    assert "graph breaks: 0 " in out and "recompiles: 0" in out, out
+    assert "MISMATCH" not in out and out.count("(ok)") == 2, out
+    with pytest.raises(SystemExit, match="--state-qdq trains GDN layers"):
+        main(["demo", "--state-qdq", "--layer", "kda", "--device", "cpu"])
 
 
 def test_check_reports_every_op(capsys):

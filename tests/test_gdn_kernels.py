@@ -10,7 +10,6 @@ gates near zero and strongly negative, lengths up to 32768.
 
 from __future__ import annotations
 
-import contextlib
 import os
 
 import pytest
@@ -21,31 +20,17 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from kdn_compile.lowering.chunk_gdn_bwd import chunk_gdn_bwd  # noqa: E402
-from kdn_compile.lowering.chunk_gdn_fwd import chunk_gdn_fwd, gdn_kernel_supports  # noqa: E402
+from kdn_compile.lowering.chunk_gdn_fwd import (  # noqa: E402
+    chunk_gdn_fwd, gdn_kernel_supports, qdq_tile_width,
+)
 from kdn_compile.reference import chunk_gdn_reference  # noqa: E402
-from tests._helpers import assert_close, count_calls  # noqa: E402
+from tests._helpers import assert_close, count_calls, poisoned as _poisoned  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs CUDA")
 needs_kernels = pytest.mark.skipif(not (CUDA or INTERPRET), reason="needs CUDA or TRITON_INTERPRET=1")
 GRADS = ("q", "k", "v", "g", "beta", "initial_state")
-
-
-@contextlib.contextmanager
-def _poisoned():
-    """torch.empty, empty_like and Tensor.new_empty return NaN-filled memory meanwhile."""
-    empty, empty_like, new_empty = torch.empty, torch.empty_like, torch.Tensor.new_empty
-
-    def nan(t):
-        return t.fill_(float("nan")) if t.is_floating_point() else t
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(torch, "empty", lambda *a, **kw: nan(empty(*a, **kw)))
-        patch.setattr(torch, "empty_like", lambda *a, **kw: nan(empty_like(*a, **kw)))
-        patch.setattr(torch.Tensor, "new_empty",
-                      lambda self, *a, **kw: nan(new_empty(self, *a, **kw)))
-        yield
 
 
 def _inputs(B, T, Hk, Hv, K, V, *, N, dtype, device, seed, gate_scale=1.0, with_state=True,
@@ -63,13 +48,17 @@ def _inputs(B, T, Hk, Hv, K, V, *, N, dtype, device, seed, gate_scale=1.0, with_
     return {n: (t.to(device=device, dtype=dtype) if t is not None else None) for n, t in x.items()}
 
 
-def _check(x, cu_seqlens, *, state_v_first, tol, with_dht=True, seed=1):
-    """Kernels vs float64 reference: o, final state and every gradient."""
+def _check(x, cu_seqlens, *, state_v_first, tol, with_dht=True, seed=1, qdq=None,
+           state_tol=None):
+    """Kernels vs float64 reference: o, final state (within ``state_tol``, default ``tol``)
+    and every gradient; ``qdq``: the ``state_qdq_block_v`` of FP8 state quantization (None:
+    none). Returns the final state."""
     scale = x["q"].shape[-1] ** -0.5
+    options = dict(chunk_size=64, scale=scale, state_v_first=state_v_first,
+                   state_qdq=qdq is not None, state_qdq_block_v=qdq or 64)
     with _poisoned():
         o, ht, *prepared = chunk_gdn_fwd(
-            x["q"], x["k"], x["v"], x["g"], x["beta"], x["initial_state"], cu_seqlens,
-            chunk_size=64, scale=scale, state_v_first=state_v_first,
+            x["q"], x["k"], x["v"], x["g"], x["beta"], x["initial_state"], cu_seqlens, **options
         )
     gen = torch.Generator().manual_seed(seed)
     do = torch.randn(o.shape, generator=gen, dtype=torch.float64).to(o)
@@ -77,14 +66,13 @@ def _check(x, cu_seqlens, *, state_v_first, tol, with_dht=True, seed=1):
     with _poisoned():
         grads = chunk_gdn_bwd(
             x["q"], x["k"], x["v"], x["g"], x["beta"], x["initial_state"], cu_seqlens, do, dht,
-            chunk_size=64, scale=scale, state_v_first=state_v_first, prepared=prepared,
+            prepared=prepared, **options,
         )
     leaves = {n: (t.detach().double().requires_grad_() if t is not None else None)
               for n, t in x.items()}
     ro, rh = chunk_gdn_reference(
-        leaves["q"], leaves["k"], leaves["v"], leaves["g"], leaves["beta"], chunk_size=64,
-        scale=scale, initial_state=leaves["initial_state"], cu_seqlens=cu_seqlens,
-        state_v_first=state_v_first,
+        leaves["q"], leaves["k"], leaves["v"], leaves["g"], leaves["beta"],
+        initial_state=leaves["initial_state"], cu_seqlens=cu_seqlens, **options,
     )
     loss = (ro * do.double()).sum()
     if with_dht:
@@ -93,13 +81,14 @@ def _check(x, cu_seqlens, *, state_v_first, tol, with_dht=True, seed=1):
     expected = dict(zip(wrt, torch.autograd.grad(loss, [leaves[n] for n in wrt])))
     assert o.dtype == x["v"].dtype and ht.dtype == torch.float32
     assert_close(o, ro, tol, "o")
-    assert_close(ht, rh, tol, "final state")
+    assert_close(ht, rh, tol if state_tol is None else state_tol, "final state")
     for name, grad in zip(GRADS, grads):
         if leaves[name] is None:
             assert grad is None, name
             continue
         assert grad.dtype == x[name].dtype, name
         assert_close(grad, expected[name], tol, f"d{name}")
+    return ht
 
 
 # -- CPU (interpreter) ---------------------------------------------------------------------
@@ -137,6 +126,58 @@ def test_kernels_match_reference_fp16():
     _check(x, cu_seqlens, state_v_first=False, tol=1e-2)
 
 
+QDQ_CASES = [
+    # id, B, T, Hk, Hv, K, V, cu_seqlens, with_state, state_v_first, state_qdq_block_v
+    pytest.param(1, 70, 1, 2, 16, 32, None, True, False, 16, id="T70-grouped-2-tiles"),
+    pytest.param(2, 65, 1, 2, 32, 16, None, True, True, 64, id="T65-vfirst-tile-wider-than-V"),
+    pytest.param(1, 100, 1, 2, 16, 32, [0, 0, 64, 100], True, True, 16, id="varlen-empty-vfirst"),
+    pytest.param(1, 63, 1, 1, 16, 32, None, False, False, 32, id="T63-no-state"),
+]
+
+
+@needs_kernels
+@pytest.mark.parametrize("B,T,Hk,Hv,K,V,cu,with_state,state_v_first,block_v", QDQ_CASES)
+def test_state_qdq_kernels_match_reference(B, T, Hk, Hv, K, V, cu, with_state, state_v_first,
+                                           block_v):
+    """FP8 state QDQ (initial state, each chunk's final state after its readout): forward and
+    every gradient (straight-through) against ``chunk_gdn_reference(..., state_qdq=True)``
+    in float64. The backward reads the forward's float8 chunk states."""
+    from kdn_compile.reference import state_fp8_qdq_reference
+    from tests._helpers import rel_error
+
+    device = "cuda" if CUDA else "cpu"
+    cu_seqlens = None if cu is None else torch.tensor(cu, dtype=torch.int32, device=device)
+    N = B if cu is None else len(cu) - 1
+    x = _inputs(B, T, Hk, Hv, K, V, N=N, dtype=torch.float32, device=device, seed=T + Hv,
+                with_state=with_state, state_v_first=state_v_first)
+    ht = _check(x, cu_seqlens, state_v_first=state_v_first, tol=1e-4, with_dht=with_state,
+                qdq=block_v)
+    # the final state is one of E4M3 (a no-op QDQ would fail here, not only above)
+    key_first = ht.transpose(-1, -2) if state_v_first else ht
+    assert_close(state_fp8_qdq_reference(key_first, block_v), key_first, 1e-6, "on the grid")
+    plain = chunk_gdn_reference(*(x[n].double() for n in ("q", "k", "v", "g", "beta")),
+                                initial_state=x["initial_state"], cu_seqlens=cu_seqlens,
+                                state_v_first=state_v_first)[1]
+    assert rel_error(ht, plain) > 1e-3
+
+
+@needs_kernels
+def test_state_qdq_backward_recomputes_the_same_states():
+    """Without the forward's saved float8 states the backward recomputes them (QDQ included):
+    the gradients are the same bit for bit."""
+    device = "cuda" if CUDA else "cpu"
+    x = _inputs(1, 70, 1, 1, 16, 32, N=1, dtype=torch.float32, device=device, seed=4)
+    args = [x[n] for n in ("q", "k", "v", "g", "beta", "initial_state")] + [None]
+    options = dict(chunk_size=64, scale=0.25, state_v_first=False, state_qdq=True,
+                   state_qdq_block_v=16)
+    o, ht, *prepared = chunk_gdn_fwd(*args, **options)
+    do, dht = torch.randn_like(o), torch.randn_like(ht)
+    saved = chunk_gdn_bwd(*args, do, dht, prepared=prepared, **options)
+    again = chunk_gdn_bwd(*args, do, dht, prepared=None, **options)
+    for name, a, b in zip(GRADS, saved, again):
+        assert torch.equal(a, b), name
+
+
 def test_supports():
     x = _inputs(1, 8, 1, 2, 64, 128, N=1, dtype=torch.bfloat16, device="cpu", seed=0)
     args = [x[n] for n in ("q", "k", "v", "g", "beta", "initial_state")] + [None]
@@ -150,6 +191,14 @@ def test_supports():
     for dims in ((512, 64), (64, 8)):
         h = _inputs(1, 8, 1, 1, *dims, N=1, dtype=torch.bfloat16, device="cpu", seed=0)
         assert not gdn_kernel_supports(*[h[n] for n in GRADS], None, 64), dims
+    # FP8 state QDQ: one program per [K, block_v] scale tile of a power of two of columns
+    assert gdn_kernel_supports(*args, 64, state_qdq=True, state_qdq_block_v=256)  # V = 128
+    for block_v in (8, 48):  # too narrow for tl.dot, not a power of two
+        assert not gdn_kernel_supports(*args, 64, state_qdq=True, state_qdq_block_v=block_v)
+    assert qdq_tile_width(128, 128, 64, torch.bfloat16) == 64
+    assert qdq_tile_width(128, 128, 64, torch.float32) is None  # 32 KiB of float32
+    assert qdq_tile_width(256, 256, 32, torch.bfloat16) == 32
+    assert qdq_tile_width(256, 256, 64, torch.bfloat16) is None
     y = _inputs(1, 8, 1, 1, 24, 32, N=1, dtype=torch.float32, device="cpu", seed=0)
     assert not gdn_kernel_supports(*[y[n] for n in GRADS], None, 64)
     z = _inputs(1, 8, 1, 1, 16, 16, N=1, dtype=torch.float64, device="cpu", seed=0)

@@ -64,6 +64,17 @@ def test_many_short_sequences_many_heads(fn, grids):
     _check(grids, ["fwd", "bwd"])
 
 
+def test_quantization_aware_paths_many_short_sequences(grids):
+    """FP8 state QDQ with a w_quantizer (the WY kernels), and the standalone QDQ kernel."""
+    q, k, v, g, beta = _delta_inputs(per_key=False)
+    with kdn_compile.use_backend("triton"):
+        o, s = kdn_compile.chunk_gdn(q, k, v, g, beta, cu_seqlens=torch.arange(N + 1),
+                                     state_qdq=True, w_quantizer=lambda w: 0.5 * w)
+        torch.autograd.grad(o.sum() + s.sum(), [q, k, v, g, beta])
+        kdn_compile.state_fp8_qdq(torch.zeros(N, HV, K, K))
+    _check(grids, ["wy_fwd", "wy_bwd", "wy_grad", "fp8_qdq"])
+
+
 def test_diag_kdn_many_short_sequences(grids):
     gen = torch.Generator().manual_seed(1)
     x = {n: torch.randn(1, N, HV, K, generator=gen).requires_grad_()

@@ -223,12 +223,12 @@ def test_conv_does_not_leak_across_sequences():
     assert not torch.equal(y[:, :4], y_poked[:, :4])
 
 
-def _compile_over_lengths(name, backend, lengths=(17, 33, 50)):
+def _compile_over_lengths(name, backend, lengths=(17, 33, 50), layer=None):
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
     counters.clear()
-    layer = make_layer(name, torch.float32)
+    layer = make_layer(name, torch.float32) if layer is None else layer
     compiled = torch.compile(layer, backend=backend, fullgraph=True, dynamic=True)
     for i, T in enumerate(lengths):
         x = inputs(2, T, torch.float32, seed=T)
@@ -272,6 +272,47 @@ def test_compile_packed_prefill_and_continuation(name):
 
 def test_compile_fullgraph_dynamic_inductor():
     _compile_over_lengths("gdn", "inductor")
+
+
+def _qat_layer(**options):
+    torch.manual_seed(0)
+    return GatedDeltaNet(D, 2, 8, num_v_heads=4, head_v_dim=6, chunk_size=8, **options).float()
+
+
+def test_gdn_layer_quantization_aware_training(monkeypatch):
+    """state_qdq and w_quantizer reach chunk_gdn at every length (a decode length too: the
+    quantization is defined on the chunked form) and change the output."""
+    from kdn_compile.quantization import fp8_row_qdq
+
+    layer = _qat_layer(state_qdq=True, state_qdq_block_v=4, w_quantizer=fp8_row_qdq)
+    plain = _qat_layer()
+    seen = []
+    real = kdn_compile.chunk_gdn
+    monkeypatch.setattr(kdn_compile, "chunk_gdn", lambda *a, **kw: seen.append(kw) or real(*a, **kw))
+    layer(inputs(2, 5, torch.float32))  # one chunk from a zero state: nothing to quantize
+    x = inputs(2, 19, torch.float32)
+    assert (layer(x)[0] - plain(x)[0]).abs().max() > 1e-4
+    assert len(seen) == 3 and all(  # then the plain layer's call
+        kw["state_qdq"] and kw["state_qdq_block_v"] == 4 and kw["w_quantizer"] is fp8_row_qdq
+        for kw in seen[:2])
+    with pytest.raises(TypeError, match="state_qdq must be a bool, got str"):
+        GatedDeltaNet(D, 2, 8, state_qdq="yes")
+    with pytest.raises(TypeError, match="w_quantizer must be None or callable, got int"):
+        GatedDeltaNet(D, 2, 8, w_quantizer=3)
+    with pytest.raises(ValueError, match="state_qdq_block_v must be an int >= 1, got 0"):
+        GatedDeltaNet(D, 2, 8, state_qdq_block_v=0)
+    with pytest.raises(ValueError, match="KimiDeltaAttention takes no state_qdq or w_quantizer"):
+        KimiDeltaAttention(D, 2, 8, state_qdq=True)
+
+
+def test_compile_fullgraph_quantization_aware_layer():
+    """A GDN layer with FP8 state QDQ and the example fake quantizer of W (ordinary PyTorch,
+    traced between the two ops) compiles with fullgraph=True and dynamic lengths: no graph
+    break, values and gradients as eager."""
+    from kdn_compile.quantization import fp8_row_qdq
+
+    layer = _qat_layer(state_qdq=True, state_qdq_block_v=4, w_quantizer=fp8_row_qdq)
+    _compile_over_lengths("gdn-qat", "aot_eager", layer=layer)
 
 
 class TestExport(expecttest.TestCase):

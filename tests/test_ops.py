@@ -54,8 +54,13 @@ def _opcheck_cases():
              _kdn_args(kdn_inputs(B=2, T=1, H=2, K=4, V=3, requires_grad=grad))),
             (f"wy_operands-{tag}", ops.gdn_wy_operands_reference.default,
              (g["k"], g["v"], g["g"], g["beta"], cu, 8)),
+            (f"wy_operands_kernel_op-{tag}", ops.gdn_wy_operands.default,
+             (g["k"], g["v"], g["g"], g["beta"], cu, 8)),
             (f"state_fp8_qdq-{tag}", ops.state_fp8_qdq_reference.default,
              (torch.randn(2, 4, 10, dtype=torch.float64, requires_grad=grad), 4)),
+            # float32: the kernel eagerly (CUDA; the interpreter), the reference traced
+            (f"state_fp8_qdq_kernel_op-{tag}", ops.state_fp8_qdq.default,
+             (torch.randn(2, 4, 10, requires_grad=grad), 4)),
             (f"recurrent_kernel_op-{tag}", ops.recurrent_delta_rule.default,
              _kda_args(gk, cu)[:7] + (0.35, False)),
             (f"mobius_product-{tag}", ops.mobius_product_reference.default,
@@ -64,9 +69,10 @@ def _opcheck_cases():
     cases += _decode_cases()
     w, u = ref.gdn_wy_operands_reference(g["k"], g["v"], g["g"], g["beta"], chunk_size=8,
                                          cu_seqlens=cu)
-    cases.append(("wy_recurrence-grad", ops.gdn_wy_recurrence_reference.default,
-                  (g["q"], g["k"], w.requires_grad_(), u.requires_grad_(), g["g"],
-                   g["initial_state"], cu, 8, 0.35, False, True, 8)))
+    wy_args = (g["q"], g["k"], w.requires_grad_(), u.requires_grad_(), g["g"],
+               g["initial_state"], cu, 8, 0.35, False, True, 8)
+    cases.append(("wy_recurrence-grad", ops.gdn_wy_recurrence_reference.default, wy_args))
+    cases.append(("wy_recurrence_kernel_op-grad", ops.gdn_wy_recurrence.default, wy_args))
     # Every backward op, on the arguments its forward saw and random output gradients.
     for name, op, args in list(cases):
         if not name.endswith("-grad") or not op._schema.name.endswith("_reference"):

@@ -1,6 +1,6 @@
 """``kdn-compile bench``: time the ops and layers on one CUDA GPU, optionally against FLA.
 
-    kdn-compile bench [--ops gdn,kda,kdn,layers,decode,qwen3next] [--shapes BxTxH,...] [--against fla] [--out DIR]
+    kdn-compile bench [--ops gdn,kda,kdn,layers,decode,qat,qwen3next] [--shapes BxTxH,...] [--against fla] [--out DIR]
 
 For each op family the command first checks ours (and FLA's, with ``--against fla``)
 against the reference at a small shape, then times every shape with
@@ -27,7 +27,8 @@ module). It defines:
 ``measure(shape: Shape, fla: bool) -> list[dict]``
     times one shape and returns one row per measurement: ``{"case": str, "impl": str,
     "ms": float}`` plus, optionally, ``"peak_mib": float``, ``"GBps": float`` and
-    ``"graph_breaks": int``. ``impl`` is ``"ours"`` for the
+    ``"graph_breaks": int``, and ``"versus": str`` (an ``impl`` to show the time relative
+    to). ``impl`` is ``"ours"`` for the
     timed kdn function, ``"FLA"`` for FLA's; other names (``"ours eager"``) add columns.
     The command adds the family, the shape and the run's metadata to each row.
 ``PLOT_IMPLS: tuple[str, ...]`` (optional)
@@ -46,8 +47,9 @@ FAMILIES = {
     "layers": "kdn_compile.bench.layers",
     "decode": "kdn_compile.bench.decode",
     "qwen3next": "kdn_compile.bench.qwen3_next",
+    "qat": "kdn_compile.bench.qat",
 }
-DEFAULT_OPS = ("gdn", "kda", "kdn", "layers", "decode")
+DEFAULT_OPS = ("gdn", "kda", "kdn", "layers", "decode", "qat")
 """The families run when ``--ops`` is not given (``qwen3next`` needs transformers)."""
 
 __all__ = ["DEFAULT_OPS", "FAMILIES", "CheckFailed", "Shape", "parse_shapes"]

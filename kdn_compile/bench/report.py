@@ -1,8 +1,9 @@
 """Tables, JSON rows and plots of ``kdn-compile bench`` results.
 
 A row is one measurement: ``family``, ``case``, ``impl``, ``batch``, ``length``,
-``heads``, ``ms`` and optionally ``peak_mib``, ``GBps`` and ``graph_breaks``, plus the run's metadata (``gpu``,
-``torch``, ``triton``, ``fla``, ``commit``, ``time``).
+``heads``, ``ms`` and optionally ``peak_mib``, ``GBps``, ``graph_breaks`` and ``versus``
+(the implementation whose time the table divides this one's by), plus the run's metadata
+(``gpu``, ``torch``, ``triton``, ``fla``, ``commit``, ``time``).
 """
 
 from __future__ import annotations
@@ -24,12 +25,14 @@ def _unique(values):
 
 def table(rows: Sequence[dict]) -> str:
     """A markdown table of one family's rows: one line per (case, shape), the milliseconds
-    of each implementation, ``ours / FLA`` (and of their CUDA-graph replays) where both ran,
-    peak memory, state bandwidth (``GBps``) and graph breaks where measured."""
+    of each implementation, ``ours / FLA`` (and of their CUDA-graph replays) where both ran
+    and ``impl / versus`` for rows that name a ``versus``, peak memory, state bandwidth
+    (``GBps``) and graph breaks where measured."""
     impls = _unique(r["impl"] for r in rows)
     by_key = {(r["case"], _shape(r), r["impl"]): r for r in rows}
-    ratios = [(a, b) for a, b in (("ours", "FLA"), ("ours graph", "FLA graph"))
-              if a in impls and b in impls]
+    pairs = [("ours", "FLA"), ("ours graph", "FLA graph")]
+    pairs += _unique((r["impl"], r["versus"]) for r in rows if "versus" in r)
+    ratios = [(a, b) for a, b in pairs if a in impls and b in impls]
     peaks = [i for i in impls if any("peak_mib" in r for r in rows if r["impl"] == i)]
     rates = [i for i in impls if any("GBps" in r for r in rows if r["impl"] == i)]
     breaks = [i for i in impls if any("graph_breaks" in r for r in rows if r["impl"] == i)]

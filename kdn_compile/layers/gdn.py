@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 import kdn_compile
-from kdn_compile._checks import check_state, fail, num_sequences
+from kdn_compile._checks import check_flag, check_state, fail, num_sequences
 from kdn_compile.layers._serving import SlotCache, load_state, store_state, work_dtype
 from kdn_compile.layers._state import LayerState, signature, state_entries
 from kdn_compile.reference.pools import POOL_BLOCK_V
@@ -51,6 +53,17 @@ class GatedDeltaNet(SlotCache, nn.Module):
         conv_size: taps of the short convolution (default 4).
         chunk_size: chunk length of the chunked recurrence (default 64).
         norm_eps: epsilon of the output RMSNorm (default 1e-5).
+        state_qdq: quantization-aware training: FP8 E4M3 fake quantization of the
+            recurrent state (:func:`kdn_compile.chunk_gdn`'s ``state_qdq``: the initial
+            state and each chunk's final state; straight-through gradient).
+        state_qdq_block_v: value columns per FP8 scale (default 64).
+        w_quantizer: quantization-aware training: a callable fake-quantizing the WY
+            operand ``W [B, T, Hv, K]`` (:func:`kdn_compile.chunk_gdn`'s
+            ``w_quantizer``; e.g. :func:`kdn_compile.quantization.fp8_row_qdq`).
+            With either, ``forward`` runs the chunked op at every length (the
+            quantization is defined on it); ``step`` (serving) runs the plain
+            recurrences, where a float8 pool stores the state quantized as
+            ``state_qdq`` does (``state_qdq_block_v = 64``).
 
     ``forward(x, state=None, cu_seqlens=None) -> (y, state)``: ``state`` is
     ``None`` (start of sequence) or the dict returned by the previous call, a
@@ -71,8 +84,11 @@ class GatedDeltaNet(SlotCache, nn.Module):
 
     Raises:
         ValueError: ``num_v_heads`` not a multiple of ``num_heads``, or a size
-            (``hidden_size``, head counts and dims, ``chunk_size``, ``conv_size >= 2``) not a
-            positive int.
+            (``hidden_size``, head counts and dims, ``chunk_size``, ``conv_size >= 2``,
+            ``state_qdq_block_v``) not a positive int; ``state_qdq`` or ``w_quantizer``
+            on :class:`~kdn_compile.layers.KimiDeltaAttention` (the chunked KDA op has
+            neither).
+        TypeError: ``state_qdq`` not a bool, ``w_quantizer`` neither None nor callable.
         ValueError (forward): ``x`` not ``[B, T, D]``, ``cu_seqlens`` with ``B != 1`` or
             boundaries that do not start at 0, rise and end at ``T`` (checked before
             the packed convolution; on CUDA or while compiling a device-side assert,
@@ -98,11 +114,23 @@ class GatedDeltaNet(SlotCache, nn.Module):
         conv_size: int = 4,
         chunk_size: int = 64,
         norm_eps: float = 1e-5,
+        state_qdq: bool = False,
+        state_qdq_block_v: int = 64,
+        w_quantizer: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ):
         super().__init__()
         check_sizes(hidden_size=hidden_size, num_heads=num_heads, head_dim=head_dim,
                     num_v_heads=num_v_heads, head_v_dim=head_v_dim, conv_size=conv_size,
-                    chunk_size=chunk_size)
+                    chunk_size=chunk_size, state_qdq_block_v=state_qdq_block_v)
+        check_flag("state_qdq", state_qdq)
+        if w_quantizer is not None and not callable(w_quantizer):
+            raise TypeError(f"w_quantizer must be None or callable, got "
+                            f"{type(w_quantizer).__name__}")
+        if self.gate_per_key and (state_qdq or w_quantizer is not None):
+            raise ValueError(f"{type(self).__name__} takes no state_qdq or w_quantizer: "
+                             f"the chunked KDA op has neither")
+        self.state_qdq, self.state_qdq_block_v = state_qdq, state_qdq_block_v
+        self.w_quantizer = w_quantizer
         num_v_heads = num_heads if num_v_heads is None else num_v_heads
         head_v_dim = head_dim if head_v_dim is None else head_v_dim
         if num_v_heads % num_heads != 0:
@@ -147,15 +175,21 @@ class GatedDeltaNet(SlotCache, nn.Module):
 
         Up to 8 tokens (a length known while tracing, so an export with a dynamic
         length keeps the chunked op) run the token recurrence; exact either way.
+        Quantization-aware training (``state_qdq``, ``w_quantizer``) runs the chunked op
+        at every length.
         """
-        if statically_known_true(q.shape[1] <= MAX_DECODE_TOKENS):
+        quantized = self.state_qdq or self.w_quantizer is not None
+        if not quantized and statically_known_true(q.shape[1] <= MAX_DECODE_TOKENS):
             return kdn_compile.recurrent_delta_rule(
                 q, k, v, g, beta, initial_state=initial_state, cu_seqlens=cu_seqlens
             )
-        chunked = kdn_compile.chunk_kda if self.gate_per_key else kdn_compile.chunk_gdn
-        return chunked(
-            q, k, v, g, beta, chunk_size=self.chunk_size,
-            initial_state=initial_state, cu_seqlens=cu_seqlens,
+        if self.gate_per_key:
+            return kdn_compile.chunk_kda(q, k, v, g, beta, chunk_size=self.chunk_size,
+                                         initial_state=initial_state, cu_seqlens=cu_seqlens)
+        return kdn_compile.chunk_gdn(
+            q, k, v, g, beta, chunk_size=self.chunk_size, initial_state=initial_state,
+            cu_seqlens=cu_seqlens, state_qdq=self.state_qdq,
+            state_qdq_block_v=self.state_qdq_block_v, w_quantizer=self.w_quantizer,
         )
 
     def mixer_inputs(self, x, q, k):

@@ -2,7 +2,7 @@
 
 import torch.distributed
 
-from kdn_compile.ops import decode, fp8, gdn, kda, kdn, recurrent, slots  # noqa: F401
+from kdn_compile.ops import decode, fp8, gdn, gdn_wy, kda, kdn, recurrent, slots  # noqa: F401
 
 if torch.distributed.is_available():  # context parallelism's collectives, DTensor rules
     from kdn_compile.ops import exchange, sharding  # noqa: F401

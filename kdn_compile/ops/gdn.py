@@ -6,11 +6,12 @@
   :func:`_gdn_kernels`), the forward launches them and the backward is
   ``kdn::chunk_gdn_bwd`` (triton_op), which reuses the gates, ``(I + A)^-1`` and
   ``M`` that ``kdn::chunk_gdn`` returns after ``(o, final_state)`` (:data:`SAVED`;
-  placeholders on the reference branch); elsewhere both take the reference.
-* ``kdn::gdn_wy_operands_reference`` and ``kdn::gdn_wy_recurrence_reference``:
-  the same computation cut in two around the WY operand ``W`` so that a user's
-  ``w_quantizer`` (a Python callable, which no schema can carry) runs between
-  them in traced Python.
+  placeholders on the reference branch) and, with FP8 state quantization, the chunk
+  start states as float8 values and scales (which hold them exactly: the backward
+  recomputes no state); elsewhere both take the reference.
+
+The same computation cut in two around the WY operand ``W`` (``w_quantizer``):
+:mod:`kdn_compile.ops.gdn_wy`.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ from kdn_compile import reference as ref
 from kdn_compile.ops._dispatch import TRITON, can_launch
 from kdn_compile.ops._registry import FamilyOps, saved_placeholders
 from kdn_compile.ops._shapes import empty_state
-from kdn_compile.reference._common import work_dtype
 
 if TRITON:  # else every op takes its reference (see _dispatch.TRITON)
     from kdn_compile.lowering.chunk_gdn_bwd import chunk_gdn_bwd
@@ -62,24 +62,25 @@ CHUNK_GDN = FamilyOps(
 )
 
 
-def _gdn_kernels(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size, state_qdq) -> bool:
+def _gdn_kernels(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size, state_qdq,
+                 state_qdq_block_v) -> bool:
     """Whether ``kdn::chunk_gdn`` runs on its Triton kernels (else the reference).
 
     Kernels: a device that can launch them (CUDA, or eager CPU under
-    ``TRITON_INTERPRET=1``), no FP8 state quantization, and the shapes and
-    dtypes of :func:`~kdn_compile.lowering.chunk_gdn_fwd.gdn_kernel_supports`
-    (chunk size 64; q, k, v in float16, bfloat16 or float32 with K and V powers of
-    two in [16, 256]).
+    ``TRITON_INTERPRET=1``) and the shapes and dtypes of
+    :func:`~kdn_compile.lowering.chunk_gdn_fwd.gdn_kernel_supports` (chunk size 64; q, k,
+    v in float16, bfloat16 or float32 with K and V powers of two in [16, 256]; with FP8
+    state quantization a scale tile that
+    :func:`~kdn_compile.lowering.chunk_gdn_fwd.qdq_tile_width` covers).
     """
-    return (
-        not state_qdq
-        and can_launch(q)
-        and gdn_kernel_supports(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size)
-    )
+    return can_launch(q) and gdn_kernel_supports(
+        q, k, v, g, beta, initial_state, cu_seqlens, chunk_size, state_qdq=state_qdq,
+        state_qdq_block_v=state_qdq_block_v)
 
 
-# The outputs of chunk_gdn_fwd after (o, final_state): what chunk_gdn_bwd takes as prepared.
-SAVED = ("gc", "ai", "aqk")
+# The outputs of chunk_gdn_fwd after (o, final_state): what chunk_gdn_bwd takes as prepared
+# (hs and hs_scales: the float8 chunk states of state_qdq, placeholders without).
+SAVED = ("gc", "ai", "aqk", "hs", "hs_scales")
 
 
 @torch.library.triton_op("kdn::chunk_gdn", mutates_args=())
@@ -88,17 +89,20 @@ def chunk_gdn_op(
     initial_state: Optional[Tensor], cu_seqlens: Optional[Tensor],
     chunk_size: int, scale: float, state_v_first: bool,
     state_qdq: bool, state_qdq_block_v: int,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Chunked GDN; launches Triton where it can, else the reference op.
 
     Returns ``(o, final_state, *saved)``: the kernels' :data:`SAVED` tensors, or
-    empty placeholders after the reference.
+    empty placeholders after the reference (and for the states without ``state_qdq``).
     """
-    if _gdn_kernels(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size, state_qdq):
-        return chunk_gdn_fwd(
+    if _gdn_kernels(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size, state_qdq,
+                    state_qdq_block_v):
+        out = chunk_gdn_fwd(
             q, k, v, g, beta, initial_state, cu_seqlens, chunk_size=chunk_size, scale=scale,
-            state_v_first=state_v_first,
+            state_v_first=state_v_first, state_qdq=state_qdq,
+            state_qdq_block_v=state_qdq_block_v,
         )
+        return tuple(q.new_empty(0) if t is None else t for t in out)
     o, final_state = torch.ops.kdn.chunk_gdn_reference(
         q, k, v, g, beta, initial_state, cu_seqlens, chunk_size, scale,
         state_v_first, state_qdq, state_qdq_block_v,
@@ -111,19 +115,22 @@ def chunk_gdn_bwd_op(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
     initial_state: Optional[Tensor], cu_seqlens: Optional[Tensor],
     chunk_size: int, scale: float, state_v_first: bool,
-    gc: Tensor, ai: Tensor, aqk: Tensor,
+    state_qdq: bool, state_qdq_block_v: int,
+    gc: Tensor, ai: Tensor, aqk: Tensor, hs: Tensor, hs_scales: Tensor,
     grad_o: Tensor, grad_state: Optional[Tensor],
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Gradients of ``kdn::chunk_gdn`` on its kernel path: ``(dq, dk, dv, dg, dbeta, dh0)``.
 
-    Takes the forward's :data:`SAVED` gates, ``(I + A)^-1`` and ``M``, and
-    recomputes the chunk states. ``grad_state`` may be None (zero); ``dh0`` is an
-    empty tensor when ``initial_state`` is None.
+    Takes the forward's :data:`SAVED` gates, ``(I + A)^-1``, ``M`` and, with
+    ``state_qdq``, the float8 chunk states; recomputes the chunk states without.
+    ``grad_state`` may be None (zero); ``dh0`` is an empty tensor when
+    ``initial_state`` is None.
     """
     dq, dk, dv, dg, dbeta, dh0 = chunk_gdn_bwd(
         q, k, v, g, beta, initial_state, cu_seqlens, grad_o, grad_state,
         chunk_size=chunk_size, scale=scale, state_v_first=state_v_first,
-        prepared=(gc, ai, aqk),
+        state_qdq=state_qdq, state_qdq_block_v=state_qdq_block_v,
+        prepared=(gc, ai, aqk) + ((hs, hs_scales) if state_qdq else (None, None)),
     )
     return dq, dk, dv, dg, dbeta, (q.new_empty(0) if dh0 is None else dh0)
 
@@ -132,65 +139,11 @@ CHUNK_GDN.attach_autograd(
     chunk_gdn_op,
     CHUNK_GDN.kernel_or_reference_backward(
         lambda x: _gdn_kernels(x["q"], x["k"], x["v"], x["g"], x["beta"], x["initial_state"],
-                               x["cu_seqlens"], x["chunk_size"], x["state_qdq"]),
+                               x["cu_seqlens"], x["chunk_size"], x["state_qdq"],
+                               x["state_qdq_block_v"]),
         chunk_gdn_bwd_op,
         ("q", "k", "v", "g", "beta", "initial_state", "cu_seqlens", "chunk_size", "scale",
-         "state_v_first"),
+         "state_v_first", "state_qdq", "state_qdq_block_v"),
     ),
     saved=len(SAVED),
-)
-
-
-# -- the w_quantizer path: W and U, then the recurrence over chunks ---------------
-
-
-def _wy_operands_signature(
-    k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
-    cu_seqlens: Optional[Tensor], chunk_size: int,
-) -> tuple[Tensor, Tensor]: ...
-
-
-def _wy_operands_reference(k, v, g, beta, cu_seqlens, chunk_size):
-    return ref.gdn_wy_operands_reference(
-        k, v, g, beta, chunk_size=chunk_size, cu_seqlens=cu_seqlens
-    )
-
-
-def _wy_operands_fake(k, v, g, beta, cu_seqlens, chunk_size):
-    dtype = work_dtype(k.dtype)
-    b, t, hv, dv = v.shape
-    return k.new_empty((b, t, hv, k.shape[3]), dtype=dtype), v.new_empty((b, t, hv, dv), dtype=dtype)
-
-
-GDN_WY_OPERANDS = FamilyOps(
-    "gdn_wy_operands", _wy_operands_signature, _wy_operands_reference,
-    _wy_operands_fake, differentiable=("k", "v", "g", "beta"),
-)
-
-
-def _wy_recurrence_signature(
-    q: Tensor, k: Tensor, w: Tensor, u: Tensor, g: Tensor,
-    initial_state: Optional[Tensor], cu_seqlens: Optional[Tensor],
-    chunk_size: int, scale: float, state_v_first: bool,
-    state_qdq: bool, state_qdq_block_v: int,
-) -> tuple[Tensor, Tensor]: ...
-
-
-def _wy_recurrence_reference(q, k, w, u, g, initial_state, cu_seqlens, chunk_size,
-                             scale, state_v_first, state_qdq, state_qdq_block_v):
-    return ref.gdn_wy_recurrence_reference(
-        q, k, w, u, g, chunk_size=chunk_size, scale=scale, initial_state=initial_state,
-        cu_seqlens=cu_seqlens, state_v_first=state_v_first, state_qdq=state_qdq,
-        state_qdq_block_v=state_qdq_block_v,
-    )
-
-
-def _wy_recurrence_fake(q, k, w, u, g, initial_state, cu_seqlens, chunk_size, scale,
-                        state_v_first, state_qdq, state_qdq_block_v):
-    return q.new_empty(u.shape), empty_state(q, cu_seqlens, u.shape[2], k.shape[3], u.shape[3], state_v_first)
-
-
-GDN_WY_RECURRENCE = FamilyOps(
-    "gdn_wy_recurrence", _wy_recurrence_signature, _wy_recurrence_reference,
-    _wy_recurrence_fake, differentiable=("q", "k", "w", "u", "g", "initial_state"),
 )

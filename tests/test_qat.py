@@ -1,0 +1,214 @@
+"""Quantization-aware training on the kernels: the FP8 state QDQ kernel and the w_quantizer path.
+
+CPU: the kernels run under ``TRITON_INTERPRET=1`` (conftest.py) at tiny sizes. The QDQ
+kernel equals the reference bit for bit (values, scales, fake-quantized state); the
+public functions take the kernel ops (backend ``"triton"``) and match the references,
+gradients included. The GPU runs of the same checks: ``tests/test_qat_gpu.py``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import kdn_compile
+from kdn_compile.quantization import fp8_row_qdq
+from kdn_compile.reference.fp8 import quantize_state_fp8, state_fp8_qdq_reference
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+needs_kernels = pytest.mark.skipif(not (torch.cuda.is_available() or INTERPRET),
+                                   reason="needs CUDA or TRITON_INTERPRET=1")
+
+
+def fp8_states(shape, block_v, dtype, device="cpu", seed=0) -> torch.Tensor:
+    """Random states whose columns span 15 decades, with an all-zero first tile in the first
+    matrix (scale 1), a ``-0.0`` and values that round to zero in E4M3."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(*shape, generator=gen) * torch.logspace(-12, 3, shape[-1])
+    x = x.reshape(-1, *shape[-2:])
+    x[0, :, :block_v] = 0.0
+    x[-1, 0, -1] = -0.0
+    return x.reshape(shape).to(device=device, dtype=dtype)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bit for bit (``-0.0 != +0.0``), dtypes included."""
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(ints), b.view(ints))
+
+
+QDQ_SHAPES = [
+    # shape [..., K, V], block_v
+    pytest.param((3, 2, 16, 40), 16, id="partial-last-tile"),
+    pytest.param((2, 5, 7), 3, id="odd-sizes"),
+    pytest.param((2, 70, 130), 64, id="tile-larger-than-registers"),
+    pytest.param((9, 12), 64, id="one-tile-wider-than-V"),
+]
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("shape,block_v", QDQ_SHAPES)
+def test_qdq_kernel_is_the_reference_bit_for_bit(shape, block_v, dtype):
+    """Values and scales of quantize_state_fp8 and the QDQ of state_fp8_qdq_reference.
+    (bfloat16: on the GPU, the interpreter truncates float32 to bfloat16.)"""
+    from kdn_compile.lowering.fp8 import state_fp8_qdq_fwd
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    x = fp8_states(shape, block_v, dtype, device)
+    values, scales = state_fp8_qdq_fwd(x, block_v, split=True)
+    expected_values, expected_scales = quantize_state_fp8(x, block_v)
+    assert same_bits(values, expected_values)
+    assert same_bits(scales, expected_scales)
+    assert scales.reshape(-1)[0] == 1.0, "all-zero tile"
+    assert same_bits(state_fp8_qdq_fwd(x, block_v), state_fp8_qdq_reference(x, block_v))
+
+
+@needs_kernels
+def test_state_fp8_qdq_takes_the_kernel_and_passes_gradients_through(monkeypatch):
+    from kdn_compile.ops import fp8 as fp8_ops
+
+    calls = []
+    real = fp8_ops.state_fp8_qdq_fwd
+    monkeypatch.setattr(fp8_ops, "state_fp8_qdq_fwd", lambda *a, **k: calls.append(1) or real(*a, **k))
+    x = fp8_states((2, 3, 8, 20), 8, torch.float32).requires_grad_()
+    with kdn_compile.use_backend("triton"):
+        y = kdn_compile.state_fp8_qdq(x, 8)
+    assert calls == [1]
+    assert same_bits(y.detach(), state_fp8_qdq_reference(x.detach(), 8))
+    grad = torch.randn_like(x)
+    y.backward(grad)
+    assert torch.equal(x.grad, grad), "straight-through"
+
+
+@pytest.mark.parametrize("which,expected", [("gdn-qdq", "counts [2, 2]"),
+                                            ("wy", "counts [4, 4]")])
+def test_qat_kernel_paths_trace_as_on_the_gpu(which, expected):
+    """The kernel branches traced on the CPU (tests/_trace_kernel_path.py) with
+    ``fullgraph=True`` through AOTAutograd's min-cut partitioner, as on the H200.
+    ``gdn-qdq``: ``kdn::chunk_gdn`` with FP8 state QDQ, the float8 chunk states among its
+    saved outputs: two forward launches (prepare, recurrence), two backward (no recomputed
+    states). ``wy``: ``chunk_gdn`` with a ``w_quantizer`` in the graph between the operands
+    (prepare, W and U) and the recurrence (prepare, recurrence); backward: recomputed
+    states, state pass, gradients, then the operands' gradients."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, "tests/_trace_kernel_path.py", which], env=env,
+                          capture_output=True, text=True, timeout=600, cwd=root)
+    assert done.returncode == 0 and expected in done.stdout, done.stdout + done.stderr[-3000:]
+
+
+# -- w_quantizer: the WY operands and the recurrence from them on their kernels ------------------
+
+
+WY_CASES = [
+    # id, B, T, Hk, Hv, K, V, cu_seqlens, state_v_first, state_qdq_block_v
+    pytest.param(1, 70, 1, 2, 16, 32, None, False, None, id="T70-grouped"),
+    pytest.param(2, 65, 1, 2, 32, 16, None, True, 16, id="T65-vfirst-qdq"),
+    pytest.param(1, 100, 1, 2, 16, 16, [0, 0, 64, 100], False, 16, id="varlen-empty-qdq"),
+]
+
+
+def _grads(outputs, leaves, cotangents):
+    names = [n for n, t in leaves.items() if t is not None]
+    found = torch.autograd.grad(outputs, [leaves[n] for n in names], cotangents)
+    return dict(zip(names, found))
+
+
+@needs_kernels
+@pytest.mark.parametrize("B,T,Hk,Hv,K,V,cu,state_v_first,block_v", WY_CASES)
+def test_wy_kernels_match_reference(B, T, Hk, Hv, K, V, cu, state_v_first, block_v):
+    """Both halves against their float64 references, values and every gradient: the
+    operands ``W``, ``U``, and the recurrence from random ``W``, ``U`` (FP8 state QDQ too)."""
+    from _helpers import assert_close, delta_inputs, poisoned
+    from kdn_compile.lowering import chunk_gdn_wy as wy
+    from kdn_compile.reference import gdn_wy_operands_reference, gdn_wy_recurrence_reference
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    cu_seqlens = None if cu is None else torch.tensor(cu, dtype=torch.int32, device=device)
+    x = delta_inputs(B=B, T=T, Hk=Hk, Hv=Hv, K=K, V=V, dtype=torch.float32, seed=T,
+                     state_v_first=state_v_first, N=B if cu is None else len(cu) - 1)
+    x = {n: t.to(device) for n, t in x.items()}
+    gen = torch.Generator().manual_seed(1)
+    rand = lambda *s: torch.randn(*s, generator=gen).to(device)  # noqa: E731
+    exact = {n: t.double().requires_grad_() for n, t in x.items()}
+
+    with poisoned():
+        w, u, *prepared = wy.gdn_wy_operands_fwd(x["k"], x["v"], x["g"], x["beta"], cu_seqlens,
+                                                 chunk_size=64)
+    dw, du = rand(*w.shape), rand(*u.shape)
+    with poisoned():
+        grads = wy.gdn_wy_operands_bwd(x["k"], x["v"], x["g"], x["beta"], cu_seqlens, dw, du,
+                                       chunk_size=64, prepared=prepared)
+    rw, ru = gdn_wy_operands_reference(exact["k"], exact["v"], exact["g"], exact["beta"],
+                                       chunk_size=64, cu_seqlens=cu_seqlens)
+    assert w.dtype == u.dtype == torch.float32
+    assert_close(w, rw, 1e-5, "W")
+    assert_close(u, ru, 1e-5, "U")
+    operands = {n: exact[n] for n in ("k", "v", "g", "beta")}
+    expected = _grads((rw, ru), operands, (dw.double(), du.double()))
+    for name, grad in zip(operands, grads):
+        assert_close(grad, expected[name], 1e-5, f"operands d{name}")
+
+    w, u = 0.3 * rand(*w.shape), rand(*u.shape)
+    options = dict(chunk_size=64, scale=K ** -0.5, state_v_first=state_v_first,
+                   state_qdq=block_v is not None, state_qdq_block_v=block_v or 64)
+    args = (x["q"], x["k"], w, u, x["g"], x["initial_state"], cu_seqlens)
+    with poisoned():
+        o, ht, *prepared = wy.gdn_wy_recurrence_fwd(*args, **options)
+    do, dht = rand(*o.shape), rand(*ht.shape)
+    with poisoned():
+        grads = wy.gdn_wy_recurrence_bwd(*args, do, dht, prepared=prepared, **options)
+    inputs = {"q": exact["q"], "k": exact["k"], "w": w.double().requires_grad_(),
+              "u": u.double().requires_grad_(), "g": exact["g"],
+              "initial_state": exact["initial_state"]}
+    ro, rh = gdn_wy_recurrence_reference(*list(inputs.values())[:5], cu_seqlens=cu_seqlens,
+                                         initial_state=inputs["initial_state"], **options)
+    assert_close(o, ro, 1e-4, "o")
+    assert_close(ht, rh, 1e-4, "final state")
+    expected = _grads((ro, rh), inputs, (do.double(), dht.double()))
+    for name, grad in zip(inputs, grads):
+        assert grad.dtype == (x.get(name, w)).dtype, name
+        assert_close(grad, expected[name], 1e-4, f"recurrence d{name}")
+
+
+@needs_kernels
+def test_w_quantizer_runs_on_the_kernels_and_matches_reference(monkeypatch):
+    """``chunk_gdn(..., w_quantizer=fp8_row_qdq)`` with the kernel ops (backend "triton"):
+    both halves launch their kernels forward and backward, and values and gradients match
+    ``chunk_gdn_reference`` with the same callable (float64)."""
+    from _helpers import assert_close, count_calls, delta_inputs, rel_error
+    from kdn_compile.ops import gdn_wy
+    from kdn_compile.reference import chunk_gdn_reference
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    x = delta_inputs(B=1, T=70, Hk=1, Hv=2, K=16, V=16, dtype=torch.float32, seed=3)
+    leaves = {n: t.to(device).requires_grad_() for n, t in x.items()}
+    calls = count_calls(monkeypatch, gdn_wy, (
+        "gdn_wy_operands_fwd", "gdn_wy_operands_bwd", "gdn_wy_recurrence_fwd",
+        "gdn_wy_recurrence_bwd"))
+    with kdn_compile.use_backend("triton"):
+        o, ht = kdn_compile.chunk_gdn(**leaves, w_quantizer=fp8_row_qdq, state_qdq=True,
+                                      state_qdq_block_v=16)
+    assert sorted(calls) == ["gdn_wy_operands_fwd", "gdn_wy_recurrence_fwd"]
+    gen = torch.Generator().manual_seed(2)
+    do = torch.randn(o.shape, generator=gen).to(device)
+    dht = torch.randn(ht.shape, generator=gen).to(device)
+    got = _grads((o, ht), leaves, (do, dht))
+    assert sorted(calls) == sorted(["gdn_wy_operands_fwd", "gdn_wy_recurrence_fwd",
+                                    "gdn_wy_operands_bwd", "gdn_wy_recurrence_bwd"])
+    exact = {n: t.detach().double().requires_grad_() for n, t in leaves.items()}
+    ro, rh = chunk_gdn_reference(**exact, w_quantizer=fp8_row_qdq, state_qdq=True,
+                                 state_qdq_block_v=16)
+    assert_close(o, ro, 1e-4, "o")
+    assert_close(ht, rh, 1e-4, "final state")
+    plain = chunk_gdn_reference(**{n: t.detach() for n, t in exact.items()})[0]
+    assert rel_error(ro, plain) > 1e-3, "the quantizer changes the output"
+    expected = _grads((ro, rh), exact, (do.double(), dht.double()))
+    for name, grad in got.items():
+        assert_close(grad, expected[name], 1e-4, f"d{name}")
