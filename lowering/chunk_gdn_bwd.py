@@ -4,12 +4,15 @@ Notation of :mod:`.chunk_gdn_fwd`; per chunk with start state ``S``, end-state
 gradient ``dS'``, ``x = beta (v - (e^G k) S)``, ``delta = Ai x``,
 ``M = (q k^T) * exp(G_i - G_j)`` (``j <= i``):
 
-1. the forward recurrence again, keeping each chunk's start state ``S``;
+1. the forward recurrence again, keeping each chunk's start state ``S`` (with FP8 state
+   QDQ, the float8 states the forward saved instead: the gradient passes every QDQ
+   unchanged, so only ``S`` differs);
 2. ``_chunk_gdn_bwd_state_kernel``, chunks in reverse with ``dS`` in registers:
    ``ddelta = scale M^T do + (e^{G_last - G} k) dS'``, ``dx = Ai^T ddelta``,
    ``dv = beta dx`` (final) and
    ``dS = e^{G_last} dS' + scale (e^G q)^T do - (e^G k)^T dv``; it keeps each
-   chunk's ``dS'`` and writes ``dh0``. It needs no ``S``.
+   chunk's ``dS'`` and writes ``dh0``. It needs no ``S``. (With ``WY``, for the
+   ``w_quantizer`` path: ``dU = ddelta`` and ``dS`` takes ``-W^T ddelta``.)
 3. ``_chunk_gdn_bwd_grad_kernel``, one program per chunk and value head, from
    ``S`` and ``dS'``: ``dq``, ``dk``, ``dbeta`` and ``dg`` (the gate gradient
    with respect to ``G``, then a reverse cumulative sum in the chunk). The

@@ -16,11 +16,17 @@ and ``Ai = (I + A)^-1`` (the WY form of
    ``o = scale ((e^G q) S + M delta)``,
    ``S <- e^{G_last} S + (e^{G_last - G} k)^T delta``. ``W`` and ``U`` are never
    written: ``Ai`` is applied in the loop. With ``RECOMPUTE`` (the backward) it
-   writes each chunk's start state instead of ``o``.
+   writes each chunk's start state instead of ``o``. With ``STATE_QDQ`` (FP8 state
+   quantization) a program holds one whole ``[K, block_v]`` scale tile, quantizes the
+   initial state and each chunk's final state (:mod:`.fp8`) and saves each chunk's start
+   state as float8 values and a scale, exactly the state it used. With ``WY`` (the
+   ``w_quantizer`` path, :mod:`.chunk_gdn_wy`) ``W`` and ``U`` are given:
+   ``delta = U - W S``.
 
-The forward returns ``G``, ``Ai`` and ``M`` beside ``o`` and the final state; the
-backward takes them (``prepared``) and runs only the state pass again, or runs the
-prepare kernel itself when they are not given.
+The forward returns ``G``, ``Ai``, ``M`` (and under ``STATE_QDQ`` the float8 start
+states) beside ``o`` and the final state; the backward takes them (``prepared``) and runs
+only the state pass again (none under ``STATE_QDQ``), or runs the prepare kernel itself
+when they are not given.
 """
 
 from __future__ import annotations

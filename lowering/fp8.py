@@ -29,7 +29,8 @@ __all__ = [
 
 E4M3_MAX = 448.0
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_SUB = 64  # rows and columns of the register tile a tile larger than it is walked in
+_TILE = 128 * 64  # elements of a scale tile held in registers at once (float32, 4 warps)
+_SUB = 64  # rows and columns of the register tiles a larger scale tile is walked in
 
 
 def soft_cast() -> bool:
@@ -96,18 +97,18 @@ def qdq_tile(b_x, SOFT_CAST: tl.constexpr):
 @triton.jit
 def _state_fp8_qdq_kernel(
     x, y, values, scales, K, V, NS,
-    BLOCK_V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, SINGLE: tl.constexpr,
+    BLOCK_V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, WALK: tl.constexpr,
     SPLIT: tl.constexpr, SOFT_CAST: tl.constexpr,
 ):
     """Program ``(matrix, tile)``: the ``[K, BLOCK_V]`` scale tile ``tile`` of one ``[K, V]``
-    matrix, in register tiles ``[BK, BV]`` (one if ``SINGLE``, else an amax pass and a
-    quantize pass). ``SPLIT``: float8 ``values`` and ``scales``; else ``y`` (QDQ)."""
+    matrix, in register tiles ``[BK, BV]``: one, or (``WALK``) an amax pass and a quantize
+    pass over several. ``SPLIT``: float8 ``values`` and ``scales``; else ``y`` (QDQ)."""
     i_m, i_v = tl.program_id(0).to(tl.int64), tl.program_id(1)
     base = i_m * K * V
     c0 = i_v * BLOCK_V
     c1 = tl.minimum(c0 + BLOCK_V, V)
     o_k, o_v = tl.arange(0, BK), tl.arange(0, BV)
-    if SINGLE:
+    if not WALK:
         m = (o_k < K)[:, None] & (c0 + o_v < c1)[None, :]
         p = base + o_k[:, None] * V + c0 + o_v[None, :]
         b_x = tl.load(x + p, mask=m, other=0.0).to(tl.float32)
@@ -158,9 +159,10 @@ def state_fp8_qdq_fwd(state: torch.Tensor, block_v: int, *, split: bool = False)
     x = state.contiguous()
     tiles = triton.cdiv(v_dim, block_v)
     matrices = x.numel() // max(k_dim * v_dim, 1)
-    bk = min(triton.next_power_of_2(k_dim), _SUB)
-    bv = min(triton.next_power_of_2(min(block_v, v_dim)), _SUB)
-    single = bk >= k_dim and bv >= min(block_v, v_dim)
+    bk, bv = triton.next_power_of_2(k_dim), triton.next_power_of_2(min(block_v, v_dim))
+    walk = bk * bv > _TILE
+    if walk:
+        bk, bv = min(bk, _SUB), min(bv, _SUB)
     if split:
         y = None
         values = torch.empty(state.shape, dtype=torch.float8_e4m3fn, device=state.device)
@@ -170,7 +172,7 @@ def state_fp8_qdq_fwd(state: torch.Tensor, block_v: int, *, split: bool = False)
     if matrices > 0 and tiles > 0:
         wrap_triton(_state_fp8_qdq_kernel)[(matrices, tiles)](
             x, y, values, scales, k_dim, v_dim, tiles,
-            BLOCK_V=block_v, BK=bk, BV=bv, SINGLE=single, SPLIT=split, SOFT_CAST=soft_cast(),
+            BLOCK_V=block_v, BK=bk, BV=bv, WALK=walk, SPLIT=split, SOFT_CAST=soft_cast(),
             num_warps=4,
         )
     return (values, scales) if split else y

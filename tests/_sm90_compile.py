@@ -3,9 +3,9 @@
 Run as a script without ``TRITON_INTERPRET`` (``@triton.jit`` must build real
 JIT functions). The op layer is forced onto the kernel path on CPU tensors and
 ``wrap_triton`` is replaced by a recorder, so each launcher runs its host code
-(grids, allocations, arguments) and records its launches without running them. The
-first launch of each kernel and code path (the constexpr flags of :data:`_VARIANT_FLAGS`)
-is then compiled by Triton for an H100/H200
+(grids, allocations, arguments) and records its launches without running them. Per
+kernel, the launch on its common path and the one with the most extra paths (the
+constexpr flags of :data:`_PATH_FLAGS`) are then compiled by Triton for an H100/H200
 (``GPUTarget("cuda", 90, 32)``, no GPU needed) with Python floats typed ``fp64``
 and ints ``i32``, as Inductor's generated code types them. Prints one line per
 kernel, ``ok`` or the error, and exits non-zero if any failed, or if torch's
@@ -193,21 +193,37 @@ def written_indices(kernel, args, kwargs) -> set[str]:
     return writes & _INDEX_TENSORS
 
 
-# Constexpr flags that select another code path of a kernel: each value compiled on its own.
-_VARIANT_FLAGS = ("STATE_QDQ", "QBV", "SINGLE", "WY", "WITH_M", "WITH_AI")
+# Constexpr flags that add code paths to a kernel (each a superset of the path without it).
+_PATH_FLAGS = ("STATE_QDQ", "QBV", "WALK", "WY", "WITH_M", "WITH_AI")
 
 
 def variant(kernel, kwargs) -> str:
-    """A kernel's name, with the path-selecting flags it was launched with."""
-    flags = [f"{f}={kwargs[f]}" for f in _VARIANT_FLAGS if f in kwargs]
+    """A kernel's name, with the path flags it was launched with."""
+    flags = [f"{f}={kwargs[f]}" for f in _PATH_FLAGS if f in kwargs]
     return kernel.fn.__name__ + (f"[{','.join(flags)}]" if flags else "")
+
+
+def _paths(kwargs) -> int:
+    return sum(bool(kwargs[f]) for f in _PATH_FLAGS if f in kwargs)
+
+
+def compiled_variants(launches) -> dict:
+    """``{variant: (kernel, args, kwargs)}``: per kernel, the first launch with no path flag
+    set (the common path) and the one with the most set (every other path's code)."""
+    plain, fullest = {}, {}
+    for kernel, _, args, kwargs in launches:
+        name = kernel.fn.__name__
+        if _paths(kwargs) == 0:
+            plain.setdefault(name, (kernel, args, kwargs))
+        if name not in fullest or _paths(kwargs) > _paths(fullest[name][2]):
+            fullest[name] = (kernel, args, kwargs)
+    chosen = list(plain.values()) + list(fullest.values())
+    return {variant(k, kw): (k, a, kw) for k, a, kw in chosen}
 
 
 def main() -> int:
     launches = record_launches(every=True)
-    first = {}
-    for kernel, _, args, kwargs in launches:
-        first.setdefault(variant(kernel, kwargs), (kernel, args, kwargs))
+    first = compiled_variants(launches)
     # torch's analysis asks the active driver for the target: give it sm_90 without a GPU
     triton.runtime.driver.set_active(types.SimpleNamespace(
         get_current_target=lambda: GPUTarget("cuda", 90, 32)))

@@ -43,7 +43,7 @@ QDQ_SHAPES = [
     # shape [..., K, V], block_v
     pytest.param((3, 2, 16, 40), 16, id="partial-last-tile"),
     pytest.param((2, 5, 7), 3, id="odd-sizes"),
-    pytest.param((2, 70, 130), 64, id="tile-larger-than-registers"),
+    pytest.param((2, 200, 130), 64, id="tile-larger-than-registers"),
     pytest.param((9, 12), 64, id="one-tile-wider-than-V"),
 ]
 

@@ -38,7 +38,7 @@ def _seed() -> int:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("shape,block_v", [((64, 16, 128, 128), 64), ((8, 4, 128, 200), 48),
-                                           ((3, 2, 16, 40), 16), ((2, 70, 130), 64)])
+                                           ((3, 2, 16, 40), 16), ((2, 200, 130), 64)])
 def test_qdq_kernel_is_the_reference_bit_for_bit(shape, block_v, dtype):
     from kdn_compile.lowering.fp8 import state_fp8_qdq_fwd
 
@@ -184,9 +184,28 @@ def test_quantization_aware_layer_compiles_fullgraph():
         assert_close(a, b, 5e-2, f"compiled grad of {name} vs eager")
 
 
+# With float8 tensors among the inputs or outputs (the saved chunk states), as tests/test_ops.py:
+# opcheck's schema test compares values with arithmetic float8 lacks.
+_FLOAT8_UTILS = ("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic")
+
+
+def _opcheck_with_backward(op, bwd, args):
+    """opcheck ``op`` and its kernel backward ``bwd`` on ``op``'s saved outputs and random
+    output gradients."""
+    first, second, *saved = op(*args)
+    float8 = any(t.dtype == torch.float8_e4m3fn for t in saved)
+    utils = _FLOAT8_UTILS if float8 else "ALL"
+    torch.library.opcheck(op.default, args, test_utils=utils)
+    detached = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
+    grads = (torch.randn_like(first), torch.randn_like(second))
+    torch.library.opcheck(bwd.default, detached + tuple(t.detach() for t in saved) + grads,
+                          test_utils=utils)
+
+
 def test_opcheck_kernel_ops():
-    """opcheck (every test) of the kernel ops on CUDA: chunk_gdn with state QDQ (float8
-    states among its saved outputs), the two WY ops, the standalone QDQ."""
+    """opcheck (every test) of the kernel ops on CUDA and their kernel backward ops:
+    chunk_gdn with state QDQ (float8 states among its saved outputs), the two WY ops, the
+    standalone QDQ."""
     x = delta_inputs(B=1, T=130, Hk=1, Hv=2, K=64, V=64, dtype=torch.float32, requires_grad=True,
                      seed=3)
     x = {n: t.detach().cuda().requires_grad_() for n, t in x.items()}
@@ -194,11 +213,12 @@ def test_opcheck_kernel_ops():
     q, k, v, g, beta = (x[n] for n in ("q", "k", "v", "g", "beta"))
     h0 = torch.randn(2, 2, 64, 64, device="cuda", requires_grad=True)
     ops = torch.ops.kdn
-    torch.library.opcheck(ops.chunk_gdn.default,
-                          (q, k, v, g, beta, h0, cu, 64, 0.125, False, True, 32))
-    torch.library.opcheck(ops.gdn_wy_operands.default, (k, v, g, beta, cu, 64))
+    _opcheck_with_backward(ops.chunk_gdn, ops.chunk_gdn_bwd,
+                           (q, k, v, g, beta, h0, cu, 64, 0.125, False, True, 32))
+    _opcheck_with_backward(ops.gdn_wy_operands, ops.gdn_wy_operands_bwd,
+                           (k, v, g, beta, cu, 64))
     w, u, *_ = ops.gdn_wy_operands(k, v, g, beta, cu, 64)
     w, u = w.detach().requires_grad_(), u.detach().requires_grad_()
-    torch.library.opcheck(ops.gdn_wy_recurrence.default,
-                          (q, k, w, u, g, h0, cu, 64, 0.125, False, True, 64))
+    _opcheck_with_backward(ops.gdn_wy_recurrence, ops.gdn_wy_recurrence_bwd,
+                           (q, k, w, u, g, h0, cu, 64, 0.125, False, True, 64))
     torch.library.opcheck(ops.state_fp8_qdq.default, (h0, 48))

@@ -29,6 +29,6 @@ def test_every_kernel_compiles_for_sm90_as_inductor_types_it(tmp_path):
                           text=True, timeout=900)
     report = done.stdout + done.stderr[-4000:]
     assert done.returncode == 0, report
-    assert "35 kernels, 0 failed" in done.stdout, report
+    assert "31 kernels, 0 failed" in done.stdout, report
     # no launch is seen writing cu_seqlens or chunk indices (lowering/_launch.py says why)
     assert "0 kernels write index tensors" in done.stdout, report
