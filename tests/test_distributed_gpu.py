@@ -32,9 +32,12 @@ KDN_OPTIONS = dict(scale=64 ** -0.5, info_scale=0.7)
 # T = 512: an empty sequence, sequences across the boundaries of 2 and 4 ranks (256;
 # 128, 256), one starting on a boundary of 4 (384), one shorter than a chunk
 PACKED = [0, 40, 40, 200, 300, 384, 512]
-# kernels against kernels over different chunk alignments: float32 rounding, and for
-# bfloat16 inputs the identity run's output u rounded to bfloat16 once more
-TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
+# kernels against kernels over different chunk alignments: float32 rounding; bfloat16
+# inputs keep the kernels' intermediates in bfloat16, the slice maps A included, and
+# round the identity run's output u once more
+TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 3e-2}
+# one rank runs the plain op's own kernel calls: equal but for the states' dtype casts
+ONE_RANK = {torch.float32: 1e-6, torch.bfloat16: 1e-3}
 
 
 def _inputs(family, packed, dtype):
@@ -90,10 +93,10 @@ def test_one_rank_equals_the_plain_function(one_rank_group, family, packed, dtyp
     expected = _call(kdn_compile, family, x, packed)
     found = _call(kd, family, x, packed, group=one_rank_group)
     for i, (a, b) in enumerate(zip(found, expected)):
-        assert_close(a, b, 1e-6, f"output {i}")
+        assert_close(a, b, ONE_RANK[dtype], f"output {i}")
     expected_grads, found_grads = _grads(expected, x), _grads(found, x)
     for name, grad in expected_grads.items():
-        assert_close(found_grads[name], grad, 1e-6, f"d{name}")
+        assert_close(found_grads[name], grad, ONE_RANK[dtype], f"d{name}")
 
 
 @pytest.mark.parametrize("family", ["gdn", "kdn"])
@@ -167,11 +170,11 @@ def test_kernel_ops_on_head_sharded_dtensors(one_rank_group, family, dtype):
     found = _call(kdn_compile, family, d, False)
     for i, (a, b) in enumerate(zip(found, expected)):
         assert a.placements[0].is_shard(), f"output {i}: {a.placements}"
-        assert_close(a.full_tensor(), b, 1e-6, f"output {i}")
+        assert_close(a.full_tensor(), b, ONE_RANK[dtype], f"output {i}")
     want = _grads(expected, x)
     got = _grads([o.full_tensor() for o in found], d)
     for name, grad in want.items():
-        assert_close(got[name].full_tensor(), grad, 1e-6, f"d{name}")
+        assert_close(got[name].full_tensor(), grad, ONE_RANK[dtype], f"d{name}")
 
 
 @pytest.mark.parametrize("cls", [GatedDeltaNet, KimiDeltaAttention, DiagKDN])

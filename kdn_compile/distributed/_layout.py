@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from kdn_compile._checks import check_cu_seqlens
+from kdn_compile._checks import check_cu_seqlens, check_tensor
 from kdn_compile.reference.context import carry_mask
 
 
@@ -33,12 +33,14 @@ class SliceLayout:
         rank, world: this rank and the group's size ``R``.
 
     Raises:
-        ValueError: ``cu_seqlens`` with ``B != 1``, or boundaries that do not start
-            at 0, rise and end at ``R L`` (as :func:`kdn_compile.chunk_gdn` checks them).
-        TypeError: ``cu_seqlens`` not an int32/int64 tensor.
+        ValueError: ``q`` not ``[B, L, H, K]``, ``cu_seqlens`` with ``B != 1``, or
+            boundaries that do not start at 0, rise and end at ``R L`` (as
+            :func:`kdn_compile.chunk_gdn` checks them).
+        TypeError: ``q`` not a float tensor, ``cu_seqlens`` not an int32/int64 tensor.
     """
 
     def __init__(self, q: torch.Tensor, cu_seqlens: torch.Tensor | None, rank: int, world: int):
+        check_tensor("q", q, layout="BTHK")
         self.rank, self.world = rank, world
         self.batch, self.length = q.shape[0], q.shape[1]
         self.start = rank * self.length

@@ -31,6 +31,17 @@ def _tracing(x: torch.Tensor) -> bool:
     )
 
 
+def plain(x: torch.Tensor) -> bool:
+    """``x`` is a tensor as its op runs it: plain, a parameter, or the fake and functional
+    tensors of tracing; not a wrapper subclass (a DTensor) whose ops dispatch through
+    sharding rules."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch._subclasses.functional_tensor import FunctionalTensor
+
+    return type(x) in (torch.Tensor, torch.nn.Parameter) or isinstance(
+        x, (FakeTensor, FunctionalTensor))
+
+
 def can_launch(x: torch.Tensor) -> bool:
     """True when Triton kernels can run on ``x``'s device in this context.
 
@@ -47,7 +58,7 @@ def can_launch(x: torch.Tensor) -> bool:
         return True
     return (
         x.device.type == "cpu"
-        and type(x) in (torch.Tensor, torch.nn.Parameter)
+        and plain(x)
         and os.environ.get("TRITON_INTERPRET") == "1"
         # The interpreter's bfloat16 tl.dot is wrong (triton 3.9): bf16 stays on the reference.
         and x.dtype != torch.bfloat16

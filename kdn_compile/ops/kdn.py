@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from kdn_compile import reference as ref
-from kdn_compile.ops._dispatch import TRITON, _tracing, can_launch
+from kdn_compile.ops._dispatch import TRITON, _tracing, can_launch, plain
 from kdn_compile.ops._registry import FamilyOps, saved_placeholders
 from kdn_compile.ops.kda import SAVED as TWO_KEY_SAVED
 from kdn_compile.reference._common import segments, work_dtype
@@ -132,6 +132,21 @@ def diag_kdn_memory_bwd_op(
     return dq, dk, dv, dlog_alpha, dgain, dmemory.to(memory.dtype)
 
 
+@torch.library.triton_op("kdn::kalman_gain_bwd", mutates_args=())
+def kalman_gain_bwd_op(
+    k: Tensor, log_alpha: Tensor, omega: Tensor, r: Tensor, precision: Tensor,
+    cu_seqlens: Optional[Tensor], chunk_cov: Tensor, final_cov: Tensor, dgain: Tensor,
+    dprecision: Optional[Tensor], dk_add: Tensor, dlog_alpha_add: Tensor, info_scale: float,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Gradients of the Kalman gains on their kernels (:func:`kalman_gain_bwd`), from the
+    forward's saved covariances: ``(dk, dlog_alpha, domega, dr, dprecision)``, with
+    ``dk_add`` and ``dlog_alpha_add`` (the memory's) added. An op, so that it dispatches
+    on DTensors like the rest of the backward."""
+    return kalman_gain_bwd(
+        k, log_alpha, omega, r, precision, cu_seqlens, chunk_cov, final_cov, dgain, dprecision,
+        info_scale=info_scale, dk_add=dk_add, dlog_alpha_add=dlog_alpha_add)
+
+
 @torch.library.triton_op("kdn::diag_kdn", mutates_args=())
 def diag_kdn_op(
     q: Tensor, k: Tensor, v: Tensor, log_alpha: Tensor, omega: Tensor, r: Tensor,
@@ -177,13 +192,16 @@ def _diag_kdn_backward(inputs, grads, saved):
     q, k, v, log_alpha, omega, r, memory, precision, cu_seqlens = (
         inputs[n] for n in ("q", "k", "v", "log_alpha", "omega", "r", "memory", "precision",
                             "cu_seqlens"))
-    if not _gain_kernels(q, k, log_alpha, omega, r, precision, cu_seqlens):
+    memory_kernels = _memory_kernels(q, v, inputs["chunk_size"])
+    # a DTensor's memory without kernels would run the reference math below op by op
+    if not _gain_kernels(q, k, log_alpha, omega, r, precision, cu_seqlens) or not (
+            memory_kernels or plain(q)):
         return DIAG_KDN.reference_backward(inputs, grads)
     doutput, dmemory, dprecision = grads
     info_scale = inputs["info_scale"]
     gain, chunk_cov, final_cov, *two_key_saved = saved
     dtype = work_dtype(q.dtype)
-    if _memory_kernels(q, v, inputs["chunk_size"]):
+    if memory_kernels:
         dq, dk, dv, dlog_alpha, dgain, dmemory0 = diag_kdn_memory_bwd_op(
             q, k, v, log_alpha, gain, memory, cu_seqlens, inputs["scale"],
             inputs["chunk_size"], *two_key_saved, doutput, dmemory)
@@ -199,9 +217,9 @@ def _diag_kdn_backward(inputs, grads, saved):
             torch.zeros_like(x) if g is None else g for x, g in zip(leaves, found))
     # the gain kernel adds the memory's dk, dlog_alpha as it stores its own (in the
     # dtypes of k, log_alpha)
-    dk, dlog_alpha, domega, dr, dprecision0 = kalman_gain_bwd(
+    dk, dlog_alpha, domega, dr, dprecision0 = kalman_gain_bwd_op(
         k, log_alpha, omega, r, precision, cu_seqlens, chunk_cov, final_cov, dgain, dprecision,
-        info_scale=info_scale, dk_add=dk, dlog_alpha_add=dlog_alpha)
+        dk, dlog_alpha, info_scale)
     return {
         "q": dq.to(q.dtype), "k": dk, "v": dv.to(v.dtype), "log_alpha": dlog_alpha,
         "omega": domega, "r": dr, "memory": dmemory0.to(memory.dtype), "precision": dprecision0,

@@ -210,6 +210,10 @@ def _register_diag_kdn():
     _rule(_ops.diag_kdn_memory_bwd.default,
           {"q": 2, "k": 2, "v": 2, "log_alpha": 2, "gain": 2, "memory": 1, **TWO_KEY_SAVED,
            **GRADS}, [2] * 5 + [1])
+    _rule(_ops.kalman_gain_bwd.default,
+          {"k": 2, "log_alpha": 2, "omega": 2, "r": 2, "precision": 1, "chunk_cov": FLAT,
+           "final_cov": 1, "dgain": 2, "dprecision": 1, "dk_add": 2, "dlog_alpha_add": 2},
+          [2, 2, 2, 2, 1])
     _rule(_ops.mobius_product_reference.default, {"maps": 2}, [1])
     _rule(_ops.mobius_product_reference_bwd.default, {"maps": 2, "grad_0": 1}, [2])
 
