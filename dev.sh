@@ -21,9 +21,10 @@ TORCH_PIN="torch==2.13.0"
 TRITON_PIN="triton==3.9.0"
 # setuptools: the editable install runs without build isolation, and a Python 3.12+ venv has none.
 EXTRA_PINS=("setuptools==84.2.1" "pytest==9.2.0" "expecttest==0.3.0" "sphinx==9.0.4" "myst-parser==5.2.0" "tqdm==4.70.1" "numpy")
-# For the tests only (the transformers integration): its own dependencies come with it,
-# torch is not one of them.
-TEST_PINS=("transformers==5.17.0")
+# For the tests only: transformers (the integration's tests; its own dependencies come
+# with it, torch is not one of them) and hypothesis (the property-based tests; 6.168.5 is
+# its newest release with wheels for Python 3.10, the oldest Python this package supports).
+TEST_PINS=("transformers==5.17.0" "hypothesis==6.168.5")
 
 # The directories that hold the starting interpreter's packages (torch's first).
 OUTER_SITE='import os, site, sys, torch

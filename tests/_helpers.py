@@ -1,10 +1,12 @@
-"""Input factories and the one error helper the tests share."""
+"""Input factories, the error helper and the float64 token-loop oracles the tests share."""
 
 from __future__ import annotations
 
 import contextlib
 
 import pytest
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -118,3 +120,78 @@ def poisoned():
         patch.setattr(torch.Tensor, "new_empty",
                       lambda self, *a, **kw: nan(new_empty(self, *a, **kw)))
         yield
+
+
+# -- float64 token loops: the oracles of the property tests --------------------------
+
+
+def _runs(cu_seqlens, batch: int, length: int) -> list[tuple[int, int, int, int]]:
+    """``(state row, batch row, start, stop)`` of each independent sequence."""
+    if cu_seqlens is None:
+        return [(b, b, 0, length) for b in range(batch)]
+    bounds = [int(x) for x in cu_seqlens.tolist()]
+    return [(n, 0, bounds[n], bounds[n + 1]) for n in range(len(bounds) - 1)]
+
+
+def delta_rule_oracle(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens=None,
+                      state_v_first=False):
+    """The gated delta rule token by token in float64, written from the spec's recurrence
+    ``S_t = (I - beta_t k_t k_t^T) diag(exp(g_t)) S_{t-1} + beta_t k_t v_t^T``,
+    ``o_t = scale * S_t^T q_t`` (value head ``h`` reads key head ``h // (Hv // Hk)``;
+    ``g`` ``[B, T, Hv]`` or ``[B, T, Hv, K]``). Differentiable; returns
+    ``(o [B, T, Hv, V], final_state)`` in float64, the state in the layout it came in.
+    ``T >= 1``; ``cu_seqlens`` (``B == 1``) may hold empty sequences."""
+    q, k, v, g, beta = (x.double() for x in (q, k, v, g, beta))
+    b, t, hk, dk = q.shape
+    hv, dv = v.shape[2], v.shape[3]
+    scale = dk ** -0.5 if scale is None else scale
+    runs = _runs(cu_seqlens, b, t)
+    if initial_state is None:
+        states = q.new_zeros(len(runs), hv, dk, dv)
+    else:
+        states = initial_state.double()
+        states = states.transpose(-1, -2) if state_v_first else states
+    eye = torch.eye(dk, dtype=torch.float64)
+    rows, finals = [[None] * t for _ in range(b)], []
+    for n, row, start, stop in runs:
+        state = states[n]
+        for tok in range(start, stop):
+            key = k[row, tok].repeat_interleave(hv // hk, dim=0)  # [Hv, K]
+            query = q[row, tok].repeat_interleave(hv // hk, dim=0)
+            decay = g[row, tok].exp()  # [Hv] or [Hv, K]
+            decay = decay[:, :, None] if decay.dim() == 2 else decay[:, None, None]
+            write = beta[row, tok][:, None, None] * key[:, :, None]  # beta k, [Hv, K, 1]
+            state = (eye - write * key[:, None, :]) @ (decay * state) + write * v[row, tok][:, None, :]
+            rows[row][tok] = scale * torch.einsum("hk,hkv->hv", query, state)
+        finals.append(state)
+    o = torch.stack([torch.stack(r) for r in rows])
+    final = torch.stack(finals)
+    return o, (final.transpose(-1, -2) if state_v_first else final)
+
+
+def diag_kdn_oracle(q, k, v, log_alpha, omega, r, memory, precision, *, scale, info_scale,
+                    cu_seqlens=None, floor=math.log(1e-6)):
+    """Diagonal KDN token by token in float64, written from the spec's recurrence:
+    ``p_hat = alpha^2 p + omega``, ``kappa = p_hat k / (r + sum_i p_hat_i k_i^2)``,
+    ``1/p = 1/p_hat + info_scale k^2 / r``,
+    ``S = (I - kappa k^T) diag(alpha') S + kappa v^T`` (``log alpha'`` floored at
+    ``floor``, the covariance uses the raw ``alpha``), ``o = scale S^T q``.
+    Returns ``(o, memory, precision)`` in float64."""
+    q, k, v, log_alpha, omega, r = (x.double() for x in (q, k, v, log_alpha, omega, r))
+    b, t, h, dk = q.shape
+    eye = torch.eye(dk, dtype=torch.float64)
+    rows, memories, precisions = [[None] * t for _ in range(b)], [], []
+    for n, row, start, stop in _runs(cu_seqlens, b, t):
+        state, p = memory[n].double(), 1.0 / precision[n].double()
+        for tok in range(start, stop):
+            key, noise = k[row, tok], r[row, tok][:, None]
+            p_hat = (2 * log_alpha[row, tok]).exp() * p + omega[row, tok]
+            gain = p_hat * key / (noise + (p_hat * key**2).sum(-1, keepdim=True))
+            p = 1.0 / (1.0 / p_hat + info_scale * key**2 / noise)
+            alpha = log_alpha[row, tok].clamp_min(floor).exp()
+            state = ((eye - gain[:, :, None] * key[:, None, :]) @ (alpha[:, :, None] * state)
+                     + gain[:, :, None] * v[row, tok][:, None, :])
+            rows[row][tok] = scale * torch.einsum("hk,hkv->hv", q[row, tok], state)
+        memories.append(state)
+        precisions.append(1.0 / p)
+    return torch.stack([torch.stack(rw) for rw in rows]), torch.stack(memories), torch.stack(precisions)
