@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import contextlib
-
-import pytest
 import math
 
+import pytest
 import torch
 import torch.nn.functional as F
 
