@@ -31,7 +31,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor.experimental import register_sharding
 
-from kdn_compile.ops import gdn, kda, kdn
+from kdn_compile.ops import gdn, gdn_wy, kda, kdn
 
 _ops = torch.ops.kdn
 
@@ -41,7 +41,7 @@ FLAT = "flat"  # a flat buffer whose per-rank part is contiguous: Shard(0)
 DELTA = {"q": 2, "k": 2, "v": 2, "g": 2, "beta": 2, "initial_state": 1}
 DIAG_KDN = {"q": 2, "k": 2, "v": 2, "log_alpha": 2, "omega": 2, "r": 2, "memory": 1,
             "precision": 1}
-GDN_SAVED = {"gc": 2, "ai": 2, "aqk": 2}
+GDN_SAVED = {"gc": 2, "ai": 2, "aqk": 2, "hs": 1, "hs_scales": 1}  # hs*: state_qdq's chunk states
 TWO_KEY_SAVED = {"c": 1, "qd": 1, "kd": 1, "wl": 1, "tmat": 1, "rmat": 1, "h": 1, "x": 1}
 GRADS = {"grad_0": 2, "grad_o": 2, "grad_output": 2, "grad_state": 1, "grad_memory": 1}
 
@@ -169,7 +169,8 @@ def _register_delta_rule():
     def gdn_outputs(b):
         run = gdn._gdn_kernels(*_meta(b, "q", "k", "v", "g", "beta", "initial_state",
                                       "cu_seqlens"), b["chunk_size"], b["state_qdq"])
-        return [2, 1] + [2 if run else None] * len(GDN_SAVED)
+        states = 1 if run and b["state_qdq"] else None  # placeholders without state_qdq
+        return [2, 1] + [2 if run else None] * 3 + [states, states]
 
     _rule(_ops.chunk_gdn.default, DELTA, gdn_outputs)
     _rule(_ops.chunk_gdn_bwd.default, {**DELTA, **GDN_SAVED, **GRADS}, _delta_grads)
@@ -182,7 +183,8 @@ def _register_delta_rule():
     _rule(_ops.chunk_kda.default, DELTA, kda_outputs)
     _rule(_ops.chunk_kda_bwd.default, {**DELTA, **TWO_KEY_SAVED, **GRADS}, _delta_grads)
 
-    wy_operands = {"k": 2, "v": 2, "g": 2, "beta": 2}
+    wy_operands = {"k": 2, "v": 2, "g": 2, "beta": 2, "gc": 2, "ai": 2, "grad_w": 2,
+                   "grad_u": 2}
     _rule(_ops.gdn_wy_operands_reference.default, wy_operands, [2, 2])
     _rule(_ops.gdn_wy_operands_reference_bwd.default, {**wy_operands, "grad_1": 2, **GRADS},
           [2, 2, 2, 2])
@@ -190,6 +192,25 @@ def _register_delta_rule():
     _rule(_ops.gdn_wy_recurrence_reference.default, wy_recurrence, [2, 1])
     _rule(_ops.gdn_wy_recurrence_reference_bwd.default,
           {**wy_recurrence, "grad_0": 2, "grad_1": 1}, _delta_grads)
+
+    def wy_operands_outputs(b):
+        run = gdn_wy._operand_kernels(*_meta(b, "k", "v", "g", "beta", "cu_seqlens"),
+                                      b["chunk_size"])
+        return [2, 2] + [2 if run else None] * len(gdn_wy.OPERANDS_SAVED)
+
+    def wy_recurrence_outputs(b):
+        run = gdn_wy._recurrence_kernels(
+            *_meta(b, "q", "k", "w", "u", "g", "initial_state", "cu_seqlens"),
+            b["chunk_size"], b["state_qdq"], b["state_qdq_block_v"])
+        states = 1 if run and b["state_qdq"] else None
+        return [2, 1] + [2 if run else None] * 2 + [states, states]
+
+    _rule(_ops.gdn_wy_operands.default, wy_operands, wy_operands_outputs)
+    _rule(_ops.gdn_wy_operands_bwd.default, wy_operands, [2, 2, 2, 2])
+    _rule(_ops.gdn_wy_recurrence.default, wy_recurrence, wy_recurrence_outputs)
+    _rule(_ops.gdn_wy_recurrence_bwd.default,
+          {**wy_recurrence, "gc": 2, "aqk": 2, "hs": 1, "hs_scales": 1, **GRADS},
+          lambda b: [2] * 5 + [_optional(1, b, "initial_state")])
 
 
 def _register_diag_kdn():
@@ -228,7 +249,8 @@ def _register_serving():
         _rule(op.default, pools, [2], mutated=("memory_pool", "precision_pool"))
     for op in (_ops.scatter_slots, _ops.scatter_slots_reference):
         register_sharding(op.default)(_scatter_rule(op.default))
-    for op in (_ops.state_fp8_qdq_reference, _ops.state_fp8_qdq_reference_bwd):
+    for op in (_ops.state_fp8_qdq, _ops.state_fp8_qdq_reference,
+               _ops.state_fp8_qdq_reference_bwd):
         register_sharding(op.default)(_leading_dims_rule(op.default))
 
 
