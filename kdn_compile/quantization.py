@@ -27,7 +27,15 @@ def fp8_row_qdq(w: torch.Tensor) -> torch.Tensor:
         w: a floating tensor ``[..., K]`` (for ``w_quantizer``: ``W [B, T, Hv, K]``).
 
     Returns:
-        A tensor like ``w``.
+        A tensor like ``w`` (same shape and dtype).
+
+    Raises:
+        Nothing of its own: ``w`` is meant to be the float32 ``W`` that ``chunk_gdn``
+        hands a ``w_quantizer``, whose arguments it has already checked.
+
+    Source: the E4M3 format of the OCP 8-bit floating point specification, as
+    ``torch.float8_e4m3fn`` implements it (largest finite value 448); the same format
+    as the FP8 state of :func:`kdn_compile.state_fp8_qdq`.
 
     Example:
         >>> o, state = kdn_compile.chunk_gdn(q, k, v, g, beta, w_quantizer=fp8_row_qdq)  # doctest: +SKIP
