@@ -19,7 +19,8 @@ gradient ``dS'``, ``x = beta (v - (e^G k) S)``, ``delta = Ai x``,
    solve enters through ``dA = -(dx delta^T)`` below the diagonal.
 
 Grouped value heads write per-value-head ``dq``/``dk`` in float32, summed over
-each group afterwards.
+each group afterwards. ``G`` is the forward's float64 cumulative gate (floored gates:
+see :mod:`.chunk_gdn_fwd`); ``dg`` is zero where ``g`` is below the floor.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
+from kdn_compile.reference.delta_rule import GDN_GATE_FLOOR
+
 from ._launch import dot_precision, fixed_chunk, fixed_sequence, state_tile
 from .chunk_gdn_fwd import (
     CHUNK, _scale, gdn_layout, gdn_prepare, gdn_recompute_states, qdq_tile_width,
@@ -36,13 +39,17 @@ from .chunk_gdn_fwd import (
 )
 from .fp8 import dequantize_tile
 
-__all__ = ["chunk_gdn_bwd", "gdn_state_grads", "grad_config", "key_grads", "sum_groups"]
+__all__ = [
+    "chunk_gdn_bwd", "floored_gate_grad", "gdn_state_grads", "grad_config", "key_grads",
+    "sum_groups",
+]
 
 
 @triton.jit
 def _decay(b_gc, m):
-    """``exp(G_i - G_j)`` where ``m``, else 0 (no overflow above the diagonal)."""
-    return tl.exp(tl.where(m, b_gc[:, None] - b_gc[None, :], float("-inf")))
+    """``exp(G_i - G_j)`` where ``m``, else 0 (no overflow above the diagonal); ``G`` float64,
+    the difference rounded to float32."""
+    return tl.exp(tl.where(m, (b_gc[:, None] - b_gc[None, :]).to(tl.float32), float("-inf")))
 
 
 @triton.jit
@@ -94,12 +101,13 @@ def _chunk_gdn_bwd_state_kernel(
         b_k = tl.load(k + rows[:, None] * (HK * K) + o_k[None, :], mask=m_r, other=0.0)
         b_do = tl.load(do + rows[:, None] * (H * V) + o_v[None, :], mask=m_r, other=0.0)
         b_m = tl.load(aqk + rows[:, None] * (H * BT) + o_t[None, :], mask=m_r, other=0.0)
-        b_gc = tl.load(gc + tl.minimum(rows, last) * H)
+        b_gc = tl.load(gc + tl.minimum(rows, last) * H)  # float64
         b_gl = tl.load(gc + last * H)
-        b_eg = tl.exp(b_gc)[:, None]
+        b_eg = tl.exp(b_gc.to(tl.float32))[:, None]
         # ddelta = scale M^T do + e^{G_last - G} (k dS')
         b_dd = scale * tl.dot(tl.trans(b_m), b_do.to(dt), input_precision=DOT_PREC)
-        b_dd += tl.exp(b_gl - b_gc)[:, None] * tl.dot(b_k, b_dh.to(dt), input_precision=DOT_PREC)
+        b_el = tl.exp((b_gl - b_gc).to(tl.float32))[:, None]
+        b_dd += b_el * tl.dot(b_k, b_dh.to(dt), input_precision=DOT_PREC)
         if WY:  # delta = U - W S: dU = ddelta (in dv), and -W^T ddelta into dS
             tl.store(dv + rows[:, None] * (H * V) + o_v[None, :], b_dd.to(dv.dtype.element_ty),
                      mask=m_r)
@@ -115,7 +123,7 @@ def _chunk_gdn_bwd_state_kernel(
             b_wd = tl.dot(tl.trans(b_k), (b_eg * b_dv).to(dt), input_precision=DOT_PREC)
         # dS = e^{G_last} dS' + scale q^T (e^G do) - W^T ddelta
         b_q = tl.load(q + rows[:, None] * (HK * K) + o_k[None, :], mask=m_r, other=0.0)
-        b_dh = b_dh * tl.exp(b_gl)
+        b_dh = b_dh * tl.exp(b_gl.to(tl.float32))
         b_dh += tl.dot(tl.trans(b_q), (scale * b_eg * b_do).to(dt), input_precision=DOT_PREC)
         b_dh -= b_wd
     if HAS_H0:
@@ -183,11 +191,12 @@ def _chunk_gdn_bwd_grad_kernel(
     b_k = tl.load(k + (rows[:, None] * HK + i_hk) * K + o_k[None, :], mask=m_r, other=0.0)
     b_m = tl.load(aqk + (rows[:, None] * H + i_h) * BT + o_t[None, :], mask=m_r, other=0.0)
     b_ai = tl.load(ai + (rows[:, None] * H + i_h) * BT + o_t[None, :], mask=m_r, other=0.0)
-    b_gc = tl.load(gc + tl.minimum(rows, last) * H + i_h)
+    b_gc = tl.load(gc + tl.minimum(rows, last) * H + i_h)  # float64
     b_gl = tl.load(gc + last * H + i_h)
     b_beta = tl.load(beta + rows * H + i_h, mask=rows < eos, other=0.0).to(tl.float32)
-    b_eg = tl.exp(b_gc)
-    b_el = tl.exp(b_gl - b_gc)
+    b_eg = tl.exp(b_gc.to(tl.float32))
+    b_el = tl.exp((b_gl - b_gc).to(tl.float32))
+    b_egl = tl.exp(b_gl.to(tl.float32))
     p_s = hs + (i_c.to(tl.int64) * H + i_h) * K * V
     p_ds = dhs + (i_c.to(tl.int64) * H + i_h) * K * V
     p_sc = hs_scales  # float8 start states: their scales
@@ -210,7 +219,7 @@ def _chunk_gdn_bwd_grad_kernel(
             acc_dm = tl.dot(b_do, tl.trans(b_d), acc_dm, input_precision=DOT_PREC)
             b_dkds = b_d.to(tl.float32) * b_kds
             acc_dg -= tl.sum(b_dv * b_ks, 1) + tl.sum(b_dkds, 1)
-            acc_dl += tl.sum(b_dkds) + tl.exp(b_gl) * tl.sum(b_ds.to(tl.float32) * b_s.to(tl.float32))
+            acc_dl += tl.sum(b_dkds) + b_egl * tl.sum(b_ds.to(tl.float32) * b_s.to(tl.float32))
         b_q = tl.load(q + (rows[:, None] * HK + i_hk) * K + o_k[None, :], mask=m_r, other=0.0)
         # through M: dM = scale do delta^T (j <= i)
         b_dmm = scale * acc_dm * b_m.to(tl.float32)  # dM * M
@@ -317,7 +326,7 @@ def chunk_gdn_bwd(q, k, v, g, beta, initial_state, cu_seqlens, do, dht, *,
         H=hv, HK=hk, K=dk_, V=dv_, BT=CHUNK, BV=tile, IS_VARLEN=cu_seqlens is not None,
         DOT_PREC=dot_precision(k.dtype), QBV=qdq_width, num_warps=warps, num_stages=stages,
     )
-    dg = (dg[0] + dg[1]).to(g.dtype)
+    dg = floored_gate_grad(dg[0] + dg[1], g)
     dq, dk = sum_groups(dq, q), sum_groups(dk, k)
     if dh0 is not None and dh0.dtype != initial_state.dtype:
         dh0 = dh0.to(initial_state.dtype)
@@ -345,6 +354,12 @@ def gdn_state_grads(q, k, gc, beta, ai, aqk, v, do, dht, initial_state, cu_seqle
         DOT_PREC=dot_precision(k.dtype), WY=w is not None, num_warps=warps, num_stages=stages,
     )
     return dv, dhs, dh0
+
+
+def floored_gate_grad(dg, g):
+    """``dg`` (float32, through the floored gates) in ``g``'s dtype, zero where ``g`` is
+    below ``GDN_GATE_FLOOR``: the floor's gradient."""
+    return torch.where(g < GDN_GATE_FLOOR, 0.0, dg).to(g.dtype)
 
 
 def key_grads(q, value_heads):

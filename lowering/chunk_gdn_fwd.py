@@ -27,6 +27,15 @@ The forward returns ``G``, ``Ai``, ``M`` (and under ``STATE_QDQ`` the float8 sta
 states) beside ``o`` and the final state; the backward takes them (``prepared``) and runs
 only the state pass again (none under ``STATE_QDQ``), or runs the prepare kernel itself
 when they are not given.
+
+Gates: each ``g`` is floored at ``GDN_GATE_FLOOR = -128`` as it is loaded (a NaN
+gate stays NaN), as the reference does: any decay through a floored gate is zero in
+float32 anyway, and the floor bounds ``|G| <= 64 * 128``. ``G`` is summed and kept in
+float64, and every decay is ``exp`` of a float64 difference rounded to float32: a
+float32 ``G`` past a hard reset (``g = -1e4``) would keep too few digits for the
+differences of the tokens after it (relative errors of ``1e-2`` at ``g = -1e5``); in
+float64 every finite ``g <= 0`` stays within float32 rounding of the float64
+reference. The backward gives zero ``dg`` below the floor.
 """
 
 from __future__ import annotations
@@ -35,6 +44,8 @@ import torch
 import triton
 import triton.language as tl
 from torch.library import wrap_triton
+
+from kdn_compile.reference.delta_rule import GDN_GATE_FLOOR
 
 from ._launch import (
     chunk_offsets,
@@ -59,6 +70,7 @@ CHUNK = 64  # tokens per chunk: the kernels are written for 4 blocks of 16
 _SUB = 16
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _HEAD_DIMS = (16, 32, 64, 128, 256)
+GATE_FLOOR = tl.constexpr(GDN_GATE_FLOOR)  # see the module docstring
 
 
 def gdn_kernel_supports(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size, *,
@@ -215,8 +227,10 @@ def _chunk_gdn_prepare_kernel(
     o_t = tl.arange(0, BT)
     rows = t0 + o_t
     m_r = rows < eos
-    # in-chunk cumulative gates (zero gate past the end)
-    b_gc = tl.cumsum(tl.load(g + rows * H + i_h, mask=m_r, other=0.0).to(tl.float32), 0)
+    # in-chunk cumulative gates in float64 (zero gate past the end), each gate floored with a
+    # comparison, not tl.maximum, which would turn a NaN gate into the floor
+    b_g = tl.load(g + rows * H + i_h, mask=m_r, other=0.0).to(tl.float32)
+    b_gc = tl.cumsum(tl.where(b_g < GATE_FLOOR, GATE_FLOOR, b_g).to(tl.float64), 0)
     tl.store(gc + rows * H + i_h, b_gc, mask=m_r)
     b_beta = tl.load(beta + rows * H + i_h, mask=m_r, other=0.0).to(tl.float32)
     b_k = _rows(k + i_hk * K, rows, eos, HK * K, K)
@@ -224,7 +238,7 @@ def _chunk_gdn_prepare_kernel(
     o_m = (rows[:, None] * H + i_h) * BT + o_t[None, :]
     # M = (q k^T) exp(G_i - G_j), j <= i
     m_lower = o_t[:, None] >= o_t[None, :]
-    b_d = tl.exp(tl.where(m_lower, b_gc[:, None] - b_gc[None, :], float("-inf")))
+    b_d = tl.exp(tl.where(m_lower, (b_gc[:, None] - b_gc[None, :]).to(tl.float32), float("-inf")))
     if WITH_M:
         b_m = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC) * b_d
         tl.store(aqk + o_m, b_m.to(aqk.dtype.element_ty), mask=m_r[:, None])
@@ -340,8 +354,10 @@ def _chunk_gdn_fwd_kernel(
         last = tl.minimum(i_t * BT + BT, length) - 1
         b_k = tl.load(k + rows[:, None] * (HK * K) + o_k[None, :], mask=m_r, other=0.0)
         b_v = tl.load(v + rows[:, None] * (H * V) + o_v[None, :], mask=m_r, other=0.0)
-        b_gc = tl.load(gc + tl.minimum(rows, last) * H)
+        b_gc = tl.load(gc + tl.minimum(rows, last) * H)  # float64
         b_gl = tl.load(gc + last * H)
+        b_el = tl.exp((b_gl - b_gc).to(tl.float32))
+        b_gc = b_gc.to(tl.float32)
         b_hc = b_h.to(dt)
         if WY:  # delta = U - W S: W and U given (v holds U)
             b_w = tl.load(w + rows[:, None] * (H * K) + o_k[None, :], mask=m_r, other=0.0)
@@ -360,8 +376,8 @@ def _chunk_gdn_fwd_kernel(
             tl.store(o + (bos * H + i_h) * V + rows[:, None] * (H * V) + o_v[None, :],
                      (scale * b_o).to(o.dtype.element_ty), mask=m_r)
         # S <- e^{G_last} S + k^T (e^{G_last - G} delta)
-        b_dl = (tl.exp(b_gl - b_gc)[:, None] * b_d).to(dt)
-        b_h = b_h * tl.exp(b_gl) + tl.dot(tl.trans(b_k), b_dl, input_precision=DOT_PREC)
+        b_dl = (b_el[:, None] * b_d).to(dt)
+        b_h = b_h * tl.exp(b_gl.to(tl.float32)) + tl.dot(tl.trans(b_k), b_dl, input_precision=DOT_PREC)
         if STATE_QDQ:
             b_h = _qdq_state(b_h, hs, hs_scales, c0 + i_t + 1, length - (i_t + 1) * BT, i_h,
                              i_v, H, K, V, BV, SOFT_CAST)
@@ -370,11 +386,11 @@ def _chunk_gdn_fwd_kernel(
 
 
 def gdn_prepare(q, k, g, beta, cu_seqlens, layout, *, with_m=True, with_ai=True):
-    """Launch the prepare kernel: ``(G, Ai, M)``; ``G`` float32 ``[B, T, Hv]``, ``Ai`` and
+    """Launch the prepare kernel: ``(G, Ai, M)``; ``G`` float64 ``[B, T, Hv]``, ``Ai`` and
     ``M`` ``[B, T, Hv, 64]`` in ``k``'s dtype (row ``t`` of its chunk's matrix). Without
     ``with_m`` (``q`` unused) or ``with_ai`` (``beta`` may be None) that one is None."""
     batch, length, n, hk, hv, dk, _, bound, _, spans = layout
-    gc = torch.empty(g.shape, dtype=torch.float32, device=g.device)
+    gc = torch.empty(g.shape, dtype=torch.float64, device=g.device)
     ai = k.new_empty((batch, length, hv, CHUNK)) if with_ai else None
     aqk = k.new_empty((batch, length, hv, CHUNK)) if with_m else None
     scratch = (torch.empty((batch, length, hv, CHUNK), dtype=torch.float32, device=k.device)
@@ -449,7 +465,7 @@ def chunk_gdn_fwd(q, k, v, g, beta, initial_state, cu_seqlens, *, chunk_size, sc
         ``(o, final_state, gc, ai, aqk, hs, hs_scales)``: ``o`` like ``v``;
         ``final_state`` float32 in the layout of ``initial_state``; then what
         :func:`chunk_gdn_bwd` can take as ``prepared`` instead of launching kernels
-        again: the in-chunk cumulative gates ``gc`` (float32 ``[B, T, Hv]``),
+        again: the in-chunk cumulative gates ``gc`` (float64 ``[B, T, Hv]``),
         ``Ai = (I + A)^-1`` and ``M`` (``[B, T, Hv, 64]`` in ``k``'s dtype, row ``t`` of its
         chunk's matrix) and, with ``state_qdq``, the start state of every chunk as it
         is exactly: float8 ``hs [chunks bound, Hv, K, V]`` (key-first) times float32

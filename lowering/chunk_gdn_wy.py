@@ -2,7 +2,7 @@
 
 ``chunk_gdn(..., w_quantizer=f)`` runs as two ops with the user's ``f`` traced between
 them (notation of :mod:`.chunk_gdn_fwd`; per chunk ``G`` the in-chunk cumulative gate,
-``Ai = (I + A)^-1``):
+float64, of the gates floored as there; ``Ai = (I + A)^-1``):
 
 1. the operands, :func:`gdn_wy_operands_fwd`: the prepare kernel (``G``, ``Ai``), then
    ``_chunk_gdn_wy_fwd_kernel`` (one program per chunk and value head):
@@ -32,7 +32,8 @@ from torch.library import wrap_triton
 
 from ._launch import dot_precision, fixed_chunk, uncovered_inputs
 from .chunk_gdn_bwd import (
-    _decay, _start_state, gdn_state_grads, grad_config, key_grads, sum_groups,
+    _decay, _start_state, floored_gate_grad, gdn_state_grads, grad_config, key_grads,
+    sum_groups,
 )
 from .chunk_gdn_fwd import (
     CHUNK, _recurrence, _scale, gdn_kernel_supports, gdn_layout, gdn_prepare,
@@ -86,7 +87,7 @@ def _chunk_w(k, gc, beta, ai, rows, m_r, last, i_h, H: tl.constexpr, HK: tl.cons
                    other=0.0)
     b_beta = tl.load(beta + rows * H + i_h, mask=tl.reshape(m_r, [BT]), other=0.0)
     b_beta = b_beta.to(tl.float32)
-    b_xk = ((b_beta * tl.exp(b_gc))[:, None] * b_k).to(b_k.dtype)
+    b_xk = ((b_beta * tl.exp(b_gc.to(tl.float32)))[:, None] * b_k).to(b_k.dtype)
     return b_k, b_gc, b_beta, b_ai, tl.dot(b_ai, b_xk, input_precision=DOT_PREC)
 
 
@@ -142,7 +143,8 @@ def _chunk_gdn_wy_bwd_kernel(
     b_k, b_gc, b_beta, b_ai, b_w = _chunk_w(k, gc, beta, ai, rows, m_r,
                                             tl.minimum(t0 + BT, eos) - 1, i_h, H, HK, K, BT,
                                             DOT_PREC)
-    b_ek = tl.exp(b_gc)[:, None] * b_k.to(tl.float32)  # e^G k
+    b_eg = tl.exp(b_gc.to(tl.float32))
+    b_ek = b_eg[:, None] * b_k.to(tl.float32)  # e^G k
     o_tk = (rows[:, None] * H + i_h) * K + o_k[None, :]
     b_dx = tl.dot(tl.trans(b_ai), tl.load(dw + o_tk, mask=m_r, other=0.0).to(dt),
                   input_precision=DOT_PREC)  # d(beta e^G k)
@@ -150,7 +152,7 @@ def _chunk_gdn_wy_bwd_kernel(
     b_dxe = tl.sum(b_dx * b_ek, 1)
     acc_db = b_dxe  # through beta e^G k, then beta v
     acc_dg = b_beta * b_dxe  # through e^G
-    acc_dk = (b_beta[:, None] * tl.exp(b_gc)[:, None]) * b_dx
+    acc_dk = (b_beta * b_eg)[:, None] * b_dx
     for i_v in range(0, V // BV):
         o_tv = (rows[:, None] * H + i_h) * V + i_v * BV + tl.arange(0, BV)[None, :]
         b_v = tl.load(v + o_tv, mask=m_r, other=0.0).to(tl.float32)
@@ -202,8 +204,8 @@ def _chunk_gdn_wy_grad_kernel(
     last = tl.minimum(t0 + BT, eos) - 1
     b_k, b_gc = _keys_and_gates(k, gc, rows, m_r, last, i_h, H, HK, K)
     b_gl = tl.load(gc + last * H + i_h)
-    b_eg = tl.exp(b_gc)
-    b_el = tl.exp(b_gl - b_gc)
+    b_eg = tl.exp(b_gc.to(tl.float32))
+    b_el = tl.exp((b_gl - b_gc).to(tl.float32))
     p_s = hs + (i_c.to(tl.int64) * H + i_h) * K * V
     p_ds = dhs + (i_c.to(tl.int64) * H + i_h) * K * V
     p_sc = hs_scales  # float8 start states: their scales
@@ -229,7 +231,7 @@ def _chunk_gdn_wy_grad_kernel(
                 acc_x = tl.dot(b_do, tl.trans(b_s), acc_x, input_precision=DOT_PREC)
                 b_dkds = b_d * (b_el[:, None] * tl.dot(b_k, b_ds, input_precision=DOT_PREC))
                 acc_dg -= tl.sum(b_dkds, 1)
-                acc_dl += tl.sum(b_dkds) + tl.exp(b_gl) * tl.sum(
+                acc_dl += tl.sum(b_dkds) + tl.exp(b_gl.to(tl.float32)) * tl.sum(
                     b_ds.to(tl.float32) * b_s.to(tl.float32))
             else:
                 acc_x = tl.dot((b_el[:, None] * b_d).to(dt), tl.trans(b_ds), acc_x,
@@ -312,7 +314,7 @@ def gdn_wy_operands_bwd(k, v, g, beta, cu_seqlens, dw, du, *, chunk_size, prepar
         H=hv, HK=hk, K=dk_, V=dv_, BT=CHUNK, BV=tile, IS_VARLEN=cu_seqlens is not None,
         DOT_PREC=dot_precision(k.dtype), num_warps=warps, num_stages=stages,
     )
-    return sum_groups(dk, k), dv, dg.to(g.dtype), dbeta
+    return sum_groups(dk, k), dv, floored_gate_grad(dg, g), dbeta
 
 
 # -- the recurrence -----------------------------------------------------------------------------
@@ -389,4 +391,4 @@ def gdn_wy_recurrence_bwd(q, k, w, u, g, initial_state, cu_seqlens, do, dht, *, 
     )
     if dh0 is not None and dh0.dtype != initial_state.dtype:
         dh0 = dh0.to(initial_state.dtype)
-    return sum_groups(dq, q), sum_groups(dk, k), dw, du, dg.to(g.dtype), dh0
+    return sum_groups(dq, q), sum_groups(dk, k), dw, du, floored_gate_grad(dg, g), dh0

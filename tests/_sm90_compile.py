@@ -35,7 +35,8 @@ from kdn_compile.ops import decode, fp8, gdn, gdn_wy, kda, kdn, recurrent, slots
 
 def _type(value, float_type: str) -> str:
     if isinstance(value, torch.Tensor):
-        return "*" + {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
+        return "*" + {torch.float32: "fp32", torch.float64: "fp64", torch.bfloat16: "bf16",
+                      torch.float16: "fp16",
                       torch.int32: "i32", torch.int64: "i64",
                       torch.float8_e4m3fn: "fp8e4nv", torch.bool: "i1"}[value.dtype]
     if isinstance(value, bool):

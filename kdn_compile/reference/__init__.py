@@ -8,6 +8,7 @@ algebra tests).
 """
 
 from kdn_compile.reference.delta_rule import (
+    GDN_GATE_FLOOR,
     chunk_gdn_reference,
     chunk_kda_reference,
     gdn_wy_operands_reference,
@@ -42,7 +43,7 @@ from kdn_compile.reference.kdn import (
 __all__ = [
     "chunk_gdn_reference", "chunk_kda_reference", "recurrent_delta_rule_reference",
     "gdn_wy_operands_reference", "gdn_wy_recurrence_reference", "two_key_chunk_recurrence",
-    "state_fp8_qdq_reference",
+    "state_fp8_qdq_reference", "GDN_GATE_FLOOR",
     "OMEGA_MIN", "R_MIN", "INITIAL_PRECISION", "INITIAL_PRECISION_FLOOR",
     "LOG_MEMORY_ALPHA_FLOOR", "NORM_EPS", "DEFAULT_CHUNK_SIZE",
     "initial_precision_logit", "kalman_noise", "normalize_query_key", "initial_state",

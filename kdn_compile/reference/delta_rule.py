@@ -33,6 +33,7 @@ from kdn_compile.reference._common import (
 from kdn_compile.reference.fp8 import state_fp8_qdq_reference
 
 __all__ = [
+    "GDN_GATE_FLOOR",
     "chunk_gdn_reference",
     "chunk_kda_reference",
     "recurrent_delta_rule_reference",
@@ -146,6 +147,12 @@ def recurrent_delta_rule_reference(
 # ----------------------------------------------------------------------------
 # GDN in WY form: W = T (beta k e^G), U = T (beta v), T = (I + A)^-1.
 
+# The chunked GDN forms (these references and the Triton kernels) floor each gate here. Every
+# decay through a floored gate is below e^-128, zero in float32 (exp underflows below -104), so
+# float32 results do not change; the floor bounds the in-chunk cumulative sums that decays are
+# differenced from (|sum| <= 64 * 128 for 64-token chunks): in float64 they keep ~1e-12.
+GDN_GATE_FLOOR = -128.0
+
 
 def _pad_to_chunks(tensor: torch.Tensor, chunk_size: int) -> torch.Tensor:
     """Zero-pad dim 2 to a multiple of ``chunk_size``: zero tokens are identity steps."""
@@ -168,21 +175,28 @@ def _effective_chunk(chunk_size: int, length: int) -> int:
     return max(1, min(chunk_size, length))
 
 
+def _gdn_cumulative(gate: torch.Tensor, chunk_size: int) -> torch.Tensor:
+    """In-chunk cumulative log decays ``[B, H, T // C, C]`` of ``gate [B, H, T, 1]``, floored
+    at :data:`GDN_GATE_FLOOR` (zero gradient below it), in float64: decays are differences of
+    these sums, and a float32 sum past a large gate keeps too few digits for them."""
+    return _chunked(gate[..., 0].clamp_min(GDN_GATE_FLOOR).double(), chunk_size).cumsum(-1)
+
+
 def _gdn_wy_core(k, v, gate, beta, *, chunk_size):
     length = k.shape[2]
     chunk_size = _effective_chunk(chunk_size, length)
     kc, vc = _chunked(k, chunk_size), _chunked(v, chunk_size)
     bc = _chunked(beta, chunk_size)
-    cumulative = _chunked(gate[..., 0], chunk_size).cumsum(-1)
+    cumulative = _gdn_cumulative(gate, chunk_size)
     strict = causal_mask(chunk_size, k.device, strict=True)
     interaction = bc[..., None] * (kc @ kc.transpose(-1, -2)) * decay_between(
         cumulative, strict
-    )
+    ).to(k.dtype)
     eye = torch.eye(chunk_size, dtype=k.dtype, device=k.device)
     solve = lambda rhs: torch.linalg.solve_triangular(  # noqa: E731
         eye + interaction, rhs, upper=False, unitriangular=True
     )
-    w = solve(bc[..., None] * kc * cumulative.exp()[..., None])
+    w = solve(bc[..., None] * kc * cumulative.exp().to(k.dtype)[..., None])
     u = solve(bc[..., None] * vc)
     return w.flatten(2, 3)[:, :, :length], u.flatten(2, 3)[:, :, :length]
 
@@ -229,7 +243,7 @@ def _gdn_apply_core(q, k, w, u, gate, state, *, scale, chunk_size, qdq_block_v):
     chunk_size = _effective_chunk(chunk_size, length)
     qc, kc = _chunked(q, chunk_size), _chunked(k, chunk_size)
     wc, uc = _chunked(w, chunk_size), _chunked(u, chunk_size)
-    cumulative = _chunked(gate[..., 0], chunk_size).cumsum(-1)
+    cumulative = _gdn_cumulative(gate, chunk_size)
     causal = causal_mask(chunk_size, q.device, strict=False)
     quantize = (
         (lambda s: state_fp8_qdq_reference(s, qdq_block_v))
@@ -237,16 +251,19 @@ def _gdn_apply_core(q, k, w, u, gate, state, *, scale, chunk_size, qdq_block_v):
         else (lambda s: s)
     )
     state = quantize(state)
+    decay = lambda x: x.exp().to(q.dtype)  # noqa: E731  (of float64 exponents)
     outputs = []
     for c in range(qc.shape[2]):
         cum = cumulative[:, :, c]
         delta = uc[:, :, c] - wc[:, :, c] @ state
-        attention = (qc[:, :, c] @ kc[:, :, c].transpose(-1, -2)) * decay_between(cum, causal)
+        attention = (qc[:, :, c] @ kc[:, :, c].transpose(-1, -2)) * decay_between(
+            cum, causal
+        ).to(q.dtype)
         outputs.append(
-            scale * ((qc[:, :, c] * cum.exp()[..., None]) @ state + attention @ delta)
+            scale * ((qc[:, :, c] * decay(cum)[..., None]) @ state + attention @ delta)
         )
-        to_end = (cum[..., -1:] - cum).exp()[..., None] * kc[:, :, c]
-        state = state * cum[..., -1].exp()[..., None, None] + to_end.transpose(-1, -2) @ delta
+        to_end = decay(cum[..., -1:] - cum)[..., None] * kc[:, :, c]
+        state = state * decay(cum[..., -1])[..., None, None] + to_end.transpose(-1, -2) @ delta
         state = quantize(state)
     if not outputs:
         return q.new_zeros(q.shape[:-1] + (u.shape[-1],)), state

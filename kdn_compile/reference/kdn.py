@@ -147,23 +147,29 @@ def diag_kdn_recurrent(
     return torch.stack(outputs, dim=1), memory, precision
 
 
-def _compose(later, earlier):
-    """``later @ earlier`` for 2x2 maps kept as ``(m00, m01, m10, m11)``, rescaled.
+def _normalized(entries):
+    """A 2x2 map ``(m00, m01, m10, m11)`` divided by its largest entry magnitude.
 
-    A Mobius map is unchanged by scaling its matrix, so each product is divided
-    by its largest entry magnitude to keep long products finite.
+    A Mobius map is unchanged by scaling its matrix, so this changes no covariance;
+    the scale is a constant for autograd (its gradient is zero exactly).
     """
+    size = torch.stack(entries).abs().amax(dim=0).detach()
+    size = size.clamp_min(torch.finfo(size.dtype).tiny)
+    return tuple(entry / size for entry in entries)
+
+
+def _compose(later, earlier):
+    """``later @ earlier`` for normalized 2x2 maps kept as ``(m00, m01, m10, m11)``,
+    normalized again: entries of the factors are at most 1 in magnitude, so every
+    product stays finite however long the scan (:func:`_normalized`)."""
     a00, a01, a10, a11 = later
     b00, b01, b10, b11 = earlier
-    product = (
+    return _normalized((
         a00 * b00 + a01 * b10,
         a00 * b01 + a01 * b11,
         a10 * b00 + a11 * b10,
         a10 * b01 + a11 * b11,
-    )
-    size = torch.stack(product).abs().amax(dim=0)
-    size = size.clamp_min(torch.finfo(size.dtype).tiny)
-    return tuple(entry / size for entry in product)
+    ))
 
 
 def _prefix_products(maps):
@@ -181,12 +187,22 @@ def _prefix_products(maps):
 
 def covariance_step_maps(k, log_alpha, omega, r, *, info_scale: float):
     """Each token's covariance step as a Mobius map ``(m00, m01, m10, m11)``, each
-    ``[B, T, H, K]``: ``p_t = (m00 p + m01) / (m10 p + m11)`` with ``m00 = alpha^2``,
-    ``m01 = omega``, ``m10 = I alpha^2``, ``m11 = 1 + I omega``, ``I = info_scale k^2 / r``.
+    ``[B, T, H, K]``: ``p_t = (m00 p + m01) / (m10 p + m11)``, the matrix
+    ``(alpha^2, omega; I alpha^2, 1 + I omega)`` with ``I = info_scale k^2 / r``, scaled.
+
+    Each matrix is divided by ``max(1, |I|)`` as its entries are formed, so that
+    ``I * omega`` cannot overflow (a tiny ``r`` with a large ``omega``), then by its largest
+    entry magnitude (:func:`_normalized`): products of maps stay finite for every ``r > 0``,
+    ``omega >= 0`` that float32 holds. Scaling changes no covariance.
     """
     alpha_squared = (2.0 * log_alpha).exp()
     information = info_scale * k.square() / r[..., None]
-    return alpha_squared, omega, information * alpha_squared, 1.0 + information * omega
+    shrink = information.abs().clamp_min(1.0).detach()
+    weight = information / shrink
+    return _normalized((
+        alpha_squared / shrink, omega / shrink, weight * alpha_squared,
+        1.0 / shrink + weight * omega,
+    ))
 
 
 def mobius_product(maps: torch.Tensor) -> torch.Tensor:
@@ -230,7 +246,10 @@ def kalman_gain(k, log_alpha, omega, r, precision, *, info_scale: float):
     gain = predicted * k / (noise + (predicted * k_squared).sum(-1, keepdim=True))
     if k.shape[1] == 0:
         return gain, precision
-    return gain, covariance[:, -1].reciprocal()
+    # the last token's update as the token step writes it: 1 / covariance would square a tiny
+    # covariance in the gradient (overflowing float32 for r below about 1e-19)
+    information = info_scale * k_squared[:, -1] / noise[:, -1]
+    return gain, predicted[:, -1].reciprocal() + information
 
 
 def chunked_memory(
