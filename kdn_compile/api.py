@@ -34,6 +34,7 @@ from kdn_compile._checks import (
     fail,
     shown,
 )
+from kdn_compile.debug import check_values
 from kdn_compile.ops._dispatch import eager_cuda
 from kdn_compile.ops.recurrent import recurrent_delta_rule_body
 from kdn_compile.reference.kdn import DEFAULT_CHUNK_SIZE
@@ -158,6 +159,7 @@ def chunk_gdn(
     )
     check_flag("state_v_first", state_v_first)
     check_flag("state_qdq", state_qdq)
+    check_values("chunk_gdn", q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state)
     scale, block_v, chunk_size = _scale(scale, q), _block_v(state_qdq_block_v), int(chunk_size)
     cu_seqlens = _contiguous(cu_seqlens)
     kernels = prefer_kernels(q.device.type)
@@ -228,6 +230,7 @@ def chunk_kda(
         state_v_first=state_v_first, gate="per_key", chunk_size=chunk_size,
     )
     check_flag("state_v_first", state_v_first)
+    check_values("chunk_kda", q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state)
     cu_seqlens = _contiguous(cu_seqlens)
     op = _ops.chunk_kda if prefer_kernels(q.device.type) else _ops.chunk_kda_reference
     # kdn::chunk_kda appends the tensors its backward reuses: not for the caller.
@@ -284,6 +287,8 @@ def recurrent_delta_rule(
         state_v_first=state_v_first, gate="any",
     )
     check_flag("state_v_first", state_v_first)
+    check_values("recurrent_delta_rule", q=q, k=k, v=v, g=g, beta=beta,
+                 initial_state=initial_state)
     op = (_ops.recurrent_delta_rule if prefer_kernels(q.device.type)
           else _ops.recurrent_delta_rule_reference)
     tensors = (q, k, v, g, beta, initial_state)
@@ -358,6 +363,8 @@ def diag_kdn(
         chunk_size=chunk_size,
     )
     scale, info_scale = check_float("scale", scale), check_float("info_scale", info_scale)
+    check_values("diag_kdn", q=q, k=k, v=v, log_alpha=log_alpha, omega=omega, r=r,
+                 memory=memory, precision=precision)
     op = _ops.diag_kdn if prefer_kernels(q.device.type) else _ops.diag_kdn_reference
     # kdn::diag_kdn appends the tensors its backward reuses: not for the caller.
     output, memory, precision, *_ = op(
