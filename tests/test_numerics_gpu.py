@@ -1,0 +1,131 @@
+"""On CUDA: GDN's kernels with hard resets against float64, their local memory, and debug
+mode's device-side asserts. Skipped without CUDA.
+
+The CPU suite checks the same numerics in the Triton interpreter at small sizes
+(``test_numerics.py``) and debug mode's messages on the CPU (``test_debug_mode.py``).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kdn_compile
+from _helpers import assert_close
+from kdn_compile import reference as ref
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+GRADS = ("q", "k", "v", "g", "beta", "initial_state")
+
+
+def _reset_inputs(B, T, H, K, V, seed):
+    """Small gates with hard resets: isolated ones from -1e3 to -1e5, a -inf, and one chunk of
+    each sequence full of them (every fifth token)."""
+    gen = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
+    g = -0.1 * torch.rand(B, T, H, generator=gen, dtype=torch.float64)
+    resets = torch.rand(B, T, H, generator=gen) < 0.02
+    magnitude = 10.0 ** (3.0 + 2.0 * torch.rand(B, T, H, generator=gen, dtype=torch.float64))
+    g = torch.where(resets, -magnitude, g)
+    g[:, 64:128:5] = -1e4
+    g[0, 200, 0] = -math.inf
+    return {
+        "q": F.normalize(r(B, T, H, K), dim=-1), "k": F.normalize(r(B, T, H, K), dim=-1),
+        "v": r(B, T, H, V), "g": g, "beta": torch.rand(B, T, H, generator=gen, dtype=torch.float64),
+        "initial_state": r(B, H, K, V),
+    }
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 1e-2)],
+                         ids=["fp32", "bf16"])
+def test_gdn_kernels_hard_resets_against_float64(dtype, tol):
+    """B=2, T=512, H=4, K=V=128: outputs, final state and every gradient within ``tol`` of the
+    float64 reference; ``dg`` zero below the floor."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    seed = int.from_bytes(os.urandom(4), "little")
+    x = {n: t.cuda() for n, t in _reset_inputs(2, 512, 4, 128, 128, seed).items()}
+    gen = torch.Generator().manual_seed(seed + 1)
+    do = torch.randn(x["v"].shape, generator=gen, dtype=torch.float64).cuda()
+    dstate = torch.randn(x["initial_state"].shape, generator=gen, dtype=torch.float64).cuda()
+
+    expected = {n: t.clone().requires_grad_() for n, t in x.items()}
+    o64, s64 = ref.chunk_gdn_reference(**expected)
+    ((o64 * do).sum() + (s64 * dstate).sum()).backward()
+
+    leaves = {n: t.to(torch.float32 if n == "initial_state" else dtype).requires_grad_()
+              for n, t in x.items()}
+    with kdn_compile.use_backend("triton"):
+        o, state = kdn_compile.chunk_gdn(**leaves)
+    ((o * do.to(o.dtype)).sum() + (state * dstate.float()).sum()).backward()
+
+    assert_close(o, o64, tol, f"o (seed {seed})")
+    assert_close(state, s64, tol, f"final state (seed {seed})")
+    for name in GRADS:
+        assert_close(leaves[name].grad, expected[name].grad, tol, f"d{name} (seed {seed})")
+    assert (leaves["g"].grad[x["g"] < ref.GDN_GATE_FLOOR] == 0).all()
+
+
+def test_gdn_grad_kernel_local_memory():
+    """The backward's grad kernel stays within the 248 B of stack a thread documented in
+    ``grad_config`` (bf16, K = V = 128, sm_90); the message lists every GDN kernel's
+    registers and local memory (run with ``-s`` to see them when it passes)."""
+    from kdn_compile.lowering import chunk_gdn_bwd, chunk_gdn_fwd
+
+    x = {n: t.cuda() for n, t in _reset_inputs(1, 256, 2, 128, 128, 0).items()}
+    leaves = {n: t.to(torch.float32 if n == "initial_state" else torch.bfloat16)
+              .requires_grad_() for n, t in x.items()}
+    with kdn_compile.use_backend("triton"):
+        o, state = kdn_compile.chunk_gdn(**leaves)
+    (o.float().sum() + state.sum()).backward()
+    torch.cuda.synchronize()
+    found = {}
+    kernels = [getattr(chunk_gdn_fwd, n) for n in ("_chunk_gdn_prepare_kernel",
+                                                   "_chunk_gdn_fwd_kernel")]
+    kernels += [getattr(chunk_gdn_bwd, n) for n in ("_chunk_gdn_bwd_state_kernel",
+                                                    "_chunk_gdn_bwd_grad_kernel")]
+    for kernel in kernels:
+        for cache in kernel.device_caches.values():
+            for compiled in cache[0].values():
+                # Triton reports local memory in 4-byte words
+                found[kernel.fn.__name__] = (compiled.n_regs, 4 * compiled.n_spills)
+    report = ", ".join(f"{n}: {r} registers, {s} B local" for n, (r, s) in found.items())
+    print(report)
+    assert "_chunk_gdn_bwd_grad_kernel" in found, report
+    assert found["_chunk_gdn_bwd_grad_kernel"][1] <= 248, report
+
+
+_DEBUG_SCRIPT = textwrap.dedent("""
+    import sys, torch, kdn_compile
+    B, T, H, K = 1, 70, 2, 64
+    q = torch.nn.functional.normalize(torch.randn(B, T, H, K, device="cuda"), dim=-1)
+    v, beta = torch.randn(B, T, H, K, device="cuda"), torch.rand(B, T, H, device="cuda")
+    g = -torch.rand(B, T, H, device="cuda")
+    g[0, 33, 1] = 0.5
+    fn = kdn_compile.chunk_gdn
+    if sys.argv[1] == "compiled":
+        fn = torch.compile(fn, fullgraph=True)
+    fn(q, q, v, g, beta)
+    torch.cuda.synchronize()
+""")
+
+
+@pytest.mark.parametrize("mode", ["eager", "compiled"])
+def test_debug_mode_device_assert(mode):
+    """With KDN_DEBUG=1 a positive gate fails the process with a device-side assert (no host
+    sync at the call); compiled, the assert carries the message naming the argument."""
+    env = dict(os.environ, KDN_DEBUG="1")
+    done = subprocess.run([sys.executable, "-c", _DEBUG_SCRIPT, mode], env=env,
+                          capture_output=True, text=True, timeout=600)
+    output = done.stdout + done.stderr
+    assert done.returncode != 0, output[-3000:]
+    assert "device-side assert" in output or "Assertion" in output, output[-3000:]
+    if mode == "compiled":
+        assert "chunk_gdn: g must be finite and <= 0" in output, output[-3000:]
