@@ -97,8 +97,14 @@ def chunk_gdn(
             L2-normalized (k) and activated.
         v: ``[B, T, Hv, V]``, same dtype; ``Hv`` a multiple of ``Hk`` (value
             head ``h`` reads key head ``h // (Hv // Hk)``).
-        g: ``[B, T, Hv]`` natural-log decay per token and value head (``<= 0``,
-            finite: ``-inf`` turns the chunked forms' decay ratios into NaN).
+        g: ``[B, T, Hv]`` natural-log decay per token and value head, finite and
+            ``<= 0`` (checked in debug mode only, :mod:`kdn_compile.debug`: a positive or
+            NaN gate can make its whole chunk NaN, earlier tokens included). Each gate is
+            floored at ``GDN_GATE_FLOOR = -128``, where its decay is zero in float32 anyway
+            (zero ``dg`` below it), so any ``g <= 0`` is an exact hard reset (``-inf`` as
+            well, though debug mode rejects it). In float32 the kernels' ``dg`` of heads decaying by ``e^-8``
+            per token or faster loses relative accuracy (``3e-2`` near ``-10``; the
+            reference keeps it; see the limitations page).
         beta: ``[B, T, Hv]`` write strengths, usually in ``(0, 1)``.
         chunk_size: tokens per chunk, positive int (64 for the kernels).
         scale: output scale, default ``K ** -0.5``.
@@ -139,6 +145,8 @@ def chunk_gdn(
             ``cu_seqlens``, a non-numeric ``chunk_size``, non-bool flags, a ``scale``
             that is not a number (an int is taken as a float), a ``w_quantizer``
             result that is not a float tensor.
+        RuntimeError: in debug mode, a non-finite input or a gate above 0 (on CUDA a
+            device-side assert, see :mod:`kdn_compile.debug`).
         NotImplementedError: at a backward through the gradients (double backward).
 
     Source: the chunked WY form of the gated delta rule (Yang et al., Gated Delta
@@ -207,20 +215,22 @@ def chunk_kda(
             ``<= 0`` and finite. The Triton kernels floor it at ``-20`` per token (a
             state decayed by ``e^-20`` keeps under ``2e-9`` of itself, below float32
             resolution; a ``-inf`` gate is floored too, where the references give
-            NaN); the references take it as is. Not checked (a check would sync):
-            positive gates summing past about ``+80`` within a chunk overflow the
-            kernels' factoring (NaN gradients). Float32 limits, measured in the
-            interpreter against float64: ``dg`` of channels decaying by ``e^-10``
-            per token or faster loses relative accuracy as the float32 reference
-            does (``~1e-2`` at ``-10``); gates jumping from the floor to near zero
-            within a chunk give errors up to ``~6e-4`` (the in-chunk cumulative
-            decay rounds at ``|c| ~ 300``).
+            NaN); the references take it as is. Checked in debug mode only
+            (:mod:`kdn_compile.debug`): positive gates summing past about ``+80``
+            within a chunk overflow the kernels' factoring (NaN gradients). Float32
+            limits, measured in the interpreter against float64: ``dg`` of channels
+            decaying by ``e^-8`` per token or faster loses relative accuracy, kernels
+            and reference alike (``4e-2`` kernels, ``8e-3`` reference near ``-10``; see
+            the limitations page); gates jumping from the floor to near zero within a
+            chunk give errors up to ``~6e-4`` (the in-chunk cumulative decay rounds at
+            ``|c| ~ 300``).
 
     Returns:
         ``(o, final_state)`` as :func:`chunk_gdn`.
 
     Raises:
-        ValueError, TypeError: as :func:`chunk_gdn`; ``g`` must be ``[B, T, Hv, K]``.
+        ValueError, TypeError, RuntimeError: as :func:`chunk_gdn`; ``g`` must be
+            ``[B, T, Hv, K]``.
 
     Source: Kimi Linear (Moonshot AI, 2025), KDA; as specified by
     :func:`kdn_compile.reference.recurrent_delta_rule_reference` with a per-key gate.
@@ -267,7 +277,8 @@ def recurrent_delta_rule(
     Args:
         q, k: ``[B, T, Hk, K]``; v: ``[B, T, Hv, V]``; beta: ``[B, T, Hv]``;
             dtypes as :func:`chunk_gdn`.
-        g: natural-log decay (``<= 0``), ``[B, T, Hv]`` (GDN) or ``[B, T, Hv, K]`` (KDA).
+        g: natural-log decay (finite, ``<= 0``), ``[B, T, Hv]`` (GDN) or ``[B, T, Hv, K]``
+            (KDA); taken as is (the token loop needs no floor).
         scale: output scale, default ``K ** -0.5``.
         initial_state: ``[N, Hv, K, V]`` (value-major with ``state_v_first``),
             any float dtype; zeros when ``None``.
@@ -278,7 +289,7 @@ def recurrent_delta_rule(
         ``(o, final_state)`` as :func:`chunk_gdn`.
 
     Raises:
-        ValueError, TypeError: as :func:`chunk_gdn`; ``g`` of another shape.
+        ValueError, TypeError, RuntimeError: as :func:`chunk_gdn`; ``g`` of another shape.
 
     Source: :func:`kdn_compile.reference.recurrent_delta_rule_reference`.
     """
@@ -325,11 +336,12 @@ def diag_kdn(
         q, k: ``[B, T, H, K]`` float16/bfloat16/float32/float64 (normalized, e.g. by
             :func:`kdn_compile.reference.normalize_query_key`).
         v: ``[B, T, H, V]``, q's dtype. The other tensors may be any float dtype.
-        log_alpha: ``[B, T, H, K]`` natural-log retention; the covariance uses it
-            as is, the memory floors it at ``LOG_MEMORY_ALPHA_FLOOR = log(1e-6)``.
+        log_alpha: ``[B, T, H, K]`` natural-log retention (``<= 0``); the covariance
+            uses it as is, the memory floors it at ``LOG_MEMORY_ALPHA_FLOOR = log(1e-6)``.
         omega: ``[B, T, H, K]`` process noise (``>= 0``).
-        r: ``[B, T, H]`` observation noise (``> 0``; values are not checked, which
-            would sync: ``r = 0`` gives non-finite outputs).
+        r: ``[B, T, H]`` observation noise (``> 0``; ``r = 0`` gives non-finite outputs).
+            Values of every input are checked in debug mode only
+            (:mod:`kdn_compile.debug`): finite, and the domains given here.
         memory: ``[N, H, K, V]`` memory carried in (see
             :func:`kdn_compile.reference.initial_state`).
         precision: ``[N, H, K]`` precision ``1 / p`` (``> 0``) carried in.
@@ -355,6 +367,7 @@ def diag_kdn(
         ValueError, TypeError: on inconsistent shapes, dtypes or devices, as
             :func:`chunk_gdn`; ValueError for a NaN or infinite ``scale`` or
             ``info_scale`` (checked eagerly).
+        RuntimeError: in debug mode, an input that is not finite or outside its domain.
 
     Source: the Diagonal KDN specification (:mod:`kdn_compile.reference.kdn`).
     """

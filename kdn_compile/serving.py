@@ -84,7 +84,8 @@ def delta_rule_decode(
         q, k: ``[B, T, Hk, K]`` (L2-normalized), float16/bfloat16/float32 (float64 runs
             the reference), ``1 <= T <= 8``.
         v: ``[B, T, Hv, V]``, q's dtype; value head ``h`` reads key head ``h // (Hv // Hk)``.
-        g: natural-log decays (``<= 0``), ``[B, T, Hv]`` (GDN) or ``[B, T, Hv, K]`` (KDA).
+        g: natural-log decays (finite, ``<= 0``; checked in debug mode only,
+            :mod:`kdn_compile.debug`), ``[B, T, Hv]`` (GDN) or ``[B, T, Hv, K]`` (KDA).
         beta: ``[B, T, Hv]`` write strengths.
         state_pool: ``[S, Hv, K, V]`` (``[S, Hv, V, K]`` with ``state_v_first``),
             contiguous, float32, bfloat16 or float8_e4m3fn (float64: reference only),
@@ -183,7 +184,8 @@ def diag_kdn_decode(
         q, k: ``[B, T, H, K]`` (normalized), float16/bfloat16/float32 (float64 runs the
             reference), ``1 <= T <= 8``; v ``[B, T, H, V]`` in q's dtype.
         log_alpha, omega: ``[B, T, H, K]`` natural-log retention and process noise (``>= 0``).
-        r: ``[B, T, H]`` observation noise (``> 0``, not checked).
+        r: ``[B, T, H]`` observation noise (``> 0``; values are checked in debug mode only,
+            :mod:`kdn_compile.debug`).
         memory_pool: ``[S, H, K, V]`` float32 or bfloat16 (float64: reference only),
             contiguous; the memory is rounded to its dtype once per step.
         precision_pool: ``[S, H, K]`` float32 (float64 with a float64 memory pool),
