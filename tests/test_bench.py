@@ -6,6 +6,7 @@ import argparse
 import importlib
 import json
 import sys
+import types
 
 import pytest
 import torch
@@ -137,3 +138,55 @@ def test_require_close_names_what_failed():
     assert require_close({"o": 1e-3}, 1e-2, "gdn") == {"o": 1e-3}
     with pytest.raises(CheckFailed, match=r"gdn: .* dq 5\.00e-02, dk nan"):
         require_close({"o": 1e-3, "dq": 5e-2, "dk": float("nan")}, 1e-2, "gdn")
+
+
+def test_coldstart_runs_each_case_in_new_processes_on_fresh_caches(monkeypatch):
+    from kdn_compile.bench import coldstart
+
+    calls = []
+
+    def fake_run(argv, env, **kwargs):
+        calls.append((argv[-3:], env["TRITON_CACHE_DIR"], env["TORCHINDUCTOR_CACHE_DIR"]))
+        error = None if argv[-2] == "FLA" else 1e-3
+        out = coldstart._RESULT + json.dumps({"seconds": 2.5, "error": error})
+        return types.SimpleNamespace(returncode=0, stdout=f"log line\n{out}\n", stderr="")
+
+    monkeypatch.setattr(coldstart.subprocess, "run", fake_run)
+    rows = coldstart.measure(Shape(1, 64, 2), True)
+    expected = [(case, impl) for case in coldstart.CASES for impl in ("ours", "FLA")
+                if impl == "ours" or case in coldstart.FLA_CASES]
+    assert [(r["case"], r["impl"]) for r in rows[::2]] == expected
+    assert [r["impl"] for r in rows[1::2]] == [f"{impl} cached" for _, impl in expected]
+    assert all(r["ms"] == 2500.0 for r in rows)
+    assert [c[0] for c in calls[:2]] == [["gdn", "ours", "1x64x2"]] * 2
+    # each pair shares its caches (the second process is the cached one); pairs do not
+    triton_dirs = [c[1] for c in calls]
+    assert triton_dirs[0] == triton_dirs[1] != triton_dirs[2] == triton_dirs[3]
+    assert all(c[2].startswith(c[1].rsplit("/", 1)[0]) for c in calls)
+
+
+def test_coldstart_fails_on_a_wrong_first_output_or_a_crashed_process(monkeypatch):
+    from kdn_compile.bench import coldstart
+
+    result = {"stdout": coldstart._RESULT + json.dumps({"seconds": 1.0, "error": 0.5}),
+              "returncode": 0}
+    monkeypatch.setattr(coldstart.subprocess, "run", lambda argv, env, **kwargs:
+                        types.SimpleNamespace(stderr="Traceback: boom", **result))
+    with pytest.raises(CheckFailed, match="coldstart gdn: relative error 5.00e-01"):
+        coldstart.measure(Shape(1, 64, 2), False)
+    result.update(stdout="", returncode=1)
+    with pytest.raises(RuntimeError, match="exit code 1:\nTraceback: boom"):
+        coldstart.measure(Shape(1, 64, 2), False)
+
+
+def test_a_check_failing_while_measuring_stops_only_that_family(monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr("kdn_compile.bench.timing.run_metadata", lambda: META)
+
+    def failing(shape, against):
+        raise CheckFailed("coldstart gdn: relative error 5.00e-01 above 0.03")
+
+    monkeypatch.setattr("kdn_compile.bench.coldstart.measure", failing)
+    args = parser().parse_args(["--ops", "coldstart", "--out", str(tmp_path)])
+    assert cli.run(args) == 1
+    assert "coldstart: CHECK FAILED: coldstart gdn" in capsys.readouterr().out

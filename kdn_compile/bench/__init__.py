@@ -1,6 +1,6 @@
 """``kdn-compile bench``: time the ops and layers on one CUDA GPU, optionally against FLA.
 
-    kdn-compile bench [--ops gdn,kda,kdn,layers,decode,qat,qwen3next] [--shapes BxTxH,...] [--against fla] [--out DIR]
+    kdn-compile bench [--ops gdn,kda,kdn,layers,decode,qat,qwen3next,coldstart] [--shapes BxTxH,...] [--against fla] [--out DIR]
 
 For each op family the command first checks ours (and FLA's, with ``--against fla``)
 against the reference at a small shape, then times every shape with
@@ -23,7 +23,8 @@ module). It defines:
     runs ours (and FLA's when ``fla`` is true) at a small shape against the reference
     and returns the relative errors by name (``"o"``, ``"dq"``, ``"o (FLA)"``, ...);
     raises :class:`~kdn_compile.bench.timing.CheckFailed` when one is above its tolerance.
-    Called once, before any timing.
+    Called once, before any timing. A family whose measurements check themselves returns
+    ``{}`` and raises ``CheckFailed`` from ``measure`` instead.
 ``measure(shape: Shape, fla: bool) -> list[dict]``
     times one shape and returns one row per measurement: ``{"case": str, "impl": str,
     "ms": float}`` plus, optionally, ``"peak_mib": float``, ``"GBps": float`` and
@@ -48,8 +49,10 @@ FAMILIES = {
     "decode": "kdn_compile.bench.decode",
     "qwen3next": "kdn_compile.bench.qwen3_next",
     "qat": "kdn_compile.bench.qat",
+    "coldstart": "kdn_compile.bench.coldstart",
 }
 DEFAULT_OPS = ("gdn", "kda", "kdn", "layers", "decode", "qat")
-"""The families run when ``--ops`` is not given (``qwen3next`` needs transformers)."""
+"""The families run when ``--ops`` is not given (``qwen3next`` needs transformers;
+``coldstart`` compiles everything from empty caches, minutes)."""
 
 __all__ = ["DEFAULT_OPS", "FAMILIES", "CheckFailed", "Shape", "parse_shapes"]

@@ -87,14 +87,20 @@ def run(args: argparse.Namespace) -> int:
             print(f"{name}: CHECK FAILED, not timed: {error}", flush=True)
             failed = True
             continue
-        print(f"{name}: checked against the reference: "
-              + ", ".join(f"{k} {v:.1e}" for k, v in errors.items()), flush=True)
+        if errors:
+            print(f"{name}: checked against the reference: "
+                  + ", ".join(f"{k} {v:.1e}" for k, v in errors.items()), flush=True)
         rows = []
-        for shape in args.shapes or family.DEFAULT_SHAPES:
-            for row in family.measure(shape, against):
-                rows.append({"family": name, **row, "batch": shape.batch,
-                             "length": shape.length, "heads": shape.heads})
-            print(f"{name} {shape}: done", flush=True)
+        try:
+            for shape in args.shapes or family.DEFAULT_SHAPES:
+                for row in family.measure(shape, against):
+                    rows.append({"family": name, **row, "batch": shape.batch,
+                                 "length": shape.length, "heads": shape.heads})
+                print(f"{name} {shape}: done", flush=True)
+        except CheckFailed as error:
+            print(f"{name}: CHECK FAILED: {error}", flush=True)
+            failed = True
+            continue
         done.append((name, family.TITLE, rows))
         print(f"\n### {family.TITLE}\n\n{report.table(rows)}\n", flush=True)
         # written after every family: a run stopped later keeps what it finished
