@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kdn_compile.__main__ import main
-from kdn_compile.bench import DEFAULT_OPS, FAMILIES, Shape, cli, parse_shapes, report
+from kdn_compile.bench import DEFAULT_OPS, FAMILIES, Shape, cli, parse_shapes, report, timing
 from kdn_compile.bench.timing import CheckFailed, require_close
 
 META = {"gpu": "NVIDIA H200", "torch": "2.11.0", "triton": "3.6.0", "fla": "fla-core 0.6.0",
@@ -190,3 +190,53 @@ def test_a_check_failing_while_measuring_stops_only_that_family(monkeypatch, cap
     args = parser().parse_args(["--ops", "coldstart", "--out", str(tmp_path)])
     assert cli.run(args) == 1
     assert "coldstart: CHECK FAILED: coldstart gdn" in capsys.readouterr().out
+
+
+def _event(name, us, device=torch.autograd.DeviceType.CUDA):
+    return types.SimpleNamespace(name=name, device_type=device,
+                                 time_range=types.SimpleNamespace(elapsed_us=lambda: us))
+
+
+def test_kernel_times_group_device_events_per_step():
+    events = [_event("fwd", 100.0), _event("bwd", 300.0), _event("fwd", 120.0),
+              _event("bwd", 280.0), _event("aten::mm", 999.0, torch.autograd.DeviceType.CPU)]
+    kernels = timing.summarize_kernels(events, steps=2)
+    assert kernels == [{"kernel": "bwd", "calls": 1.0, "ms": 0.29},
+                       {"kernel": "fwd", "calls": 1.0, "ms": 0.11}]
+
+
+def test_kernel_table_shows_the_slowest_then_the_rest_and_the_total():
+    kernels = [{"kernel": f"k{i}", "calls": 1.0, "ms": float(10 - i)} for i in range(4)]
+    lines = report.kernel_table(kernels, top=2).splitlines()
+    assert lines[2] == "| `k0` | 1 | 10.000 | 29% |"
+    assert lines[4] == "| (2 others) | 2 | 15.000 | 44% |"
+    assert lines[5] == "| total | 4 | 34.000 | 100% |"
+    long = report.kernel_table([{"kernel": "x" * 200, "calls": 2.0, "ms": 1.0}])
+    assert "`" + "x" * 77 + "...`" in long
+
+
+def test_profile_option_writes_each_families_kernels(monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(timing, "run_metadata", lambda: META)
+    family = importlib.import_module(FAMILIES["gdn"])
+    monkeypatch.setattr(family, "check", lambda fla: {"o": 1e-3})
+    monkeypatch.setattr(family, "measure", lambda shape, fla: [
+        {"case": "fwd", "impl": "ours", "ms": 1.0}])
+    monkeypatch.setattr(family, "profile_steps", lambda shape, fla: {"ours": None, "FLA": None})
+    monkeypatch.setattr(timing, "kernel_times", lambda step: [
+        {"kernel": "_chunk_gdn_fwd_kernel", "calls": 1.0, "ms": 0.5}])
+    args = parser().parse_args(["--ops", "gdn", "--shapes", "2x64x4", "--profile",
+                                "--out", str(tmp_path)])
+    assert cli.reproducing_command(args).endswith("--shapes 2x64x4 --profile")
+    assert cli.run(args) == 0
+    text = (tmp_path / "profile.md").read_text()
+    assert text.count("| `_chunk_gdn_fwd_kernel` | 1 | 0.500 | 100% |") == 2
+    assert f"### {family.TITLE}: FLA, 2x64x4" in text
+    assert "by kernel (torch.profiler)" in text
+    assert "ours, 2x64x4, GPU time per forward+backward by kernel" in capsys.readouterr().out
+
+
+def test_families_that_profile_return_steps_by_implementation():
+    profiled = [n for n, m in FAMILIES.items()
+                if hasattr(importlib.import_module(m), "profile_steps")]
+    assert profiled == ["gdn", "kda", "kdn", "layers"]

@@ -1,6 +1,6 @@
 """``kdn-compile bench``: time the ops and layers on one CUDA GPU, optionally against FLA.
 
-    kdn-compile bench [--ops gdn,kda,kdn,layers,decode,qat,qwen3next,coldstart] [--shapes BxTxH,...] [--against fla] [--out DIR]
+    kdn-compile bench [--ops gdn,kda,kdn,layers,decode,qat,qwen3next,coldstart] [--shapes BxTxH,...] [--against fla] [--profile] [--out DIR]
 
 For each op family the command first checks ours (and FLA's, with ``--against fla``)
 against the reference at a small shape, then times every shape with
@@ -32,6 +32,10 @@ module). It defines:
     to). ``impl`` is ``"ours"`` for the
     timed kdn function, ``"FLA"`` for FLA's; other names (``"ours eager"``) add columns.
     The command adds the family, the shape and the run's metadata to each row.
+``profile_steps(shape: Shape, fla: bool) -> dict[str, Callable[[], None]]`` (optional)
+    one forward+backward step per implementation, as ``measure`` times it: with
+    ``--profile`` each is broken down by GPU kernel
+    (:func:`~kdn_compile.bench.timing.kernel_times`) into ``profile.md``.
 ``PLOT_IMPLS: tuple[str, ...]`` (optional)
     the implementations drawn in the plots (default: all).
 

@@ -12,7 +12,9 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from kdn_compile.bench.timing import Shape, relative_error, require_close, time_forward_backward
+from kdn_compile.bench.timing import (
+    Shape, fwd_bwd, relative_error, require_close, time_forward_backward,
+)
 
 HEAD_DIM = 128
 DTYPE = torch.bfloat16
@@ -72,6 +74,16 @@ def check(ours: Callable, fla: Callable | None, reference: Callable, *, per_key:
     require_close(states, state_tolerance, where)
     require_close({n: e for n, e in errors.items() if n not in states}, TOLERANCE, where)
     return errors
+
+
+def steps(shape: Shape, impls: dict[str, Callable], *, per_key: bool) -> dict[str, Callable]:
+    """A forward+backward step of each ``impls`` entry at ``shape``, as :func:`measure`
+    times it (for ``--profile``)."""
+    scale = HEAD_DIM ** -0.5
+    inputs = make_inputs(shape, 0, per_key=per_key)
+    grad = torch.randn_like(inputs[2])
+    return {impl: fwd_bwd(lambda *x, fn=fn: fn(*x, scale), inputs, grad)
+            for impl, fn in impls.items()}
 
 
 def measure(shape: Shape, impls: dict[str, Callable], *, per_key: bool) -> list[dict]:

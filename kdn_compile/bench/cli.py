@@ -38,6 +38,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "family's own")
     parser.add_argument("--against", choices=["fla"], default=None,
                         help="also time flash-linear-attention (must be importable as fla)")
+    parser.add_argument("--profile", action="store_true",
+                        help="also break each shape's forward+backward down by GPU kernel "
+                             "(torch.profiler) into profile.md, for the families that "
+                             "support it (gdn, kda, kdn, layers)")
     parser.add_argument("--out", default="bench-results",
                         help="folder for rows.json, results.md and the plots "
                              "(default ./bench-results)")
@@ -60,7 +64,23 @@ def reproducing_command(args: argparse.Namespace) -> str:
     shapes = ",".join(map(str, args.shapes)) if args.shapes else None
     return " ".join(["kdn-compile bench", f"--ops {','.join(args.ops)}",
                      *([f"--shapes {shapes}"] if shapes else []),
-                     *([f"--against {args.against}"] if args.against else [])])
+                     *([f"--against {args.against}"] if args.against else []),
+                     *(["--profile"] if getattr(args, "profile", False) else [])])
+
+
+def _profile(family, shape, against: bool) -> list[tuple]:
+    """``(title, shape, impl, kernels)`` for each forward+backward step of ``family`` at
+    ``shape``, printed as it is measured."""
+    from kdn_compile.bench import report
+    from kdn_compile.bench.timing import kernel_times
+
+    sections = []
+    for impl, step in family.profile_steps(shape, against).items():
+        kernels = kernel_times(step)
+        sections.append((family.TITLE, str(shape), impl, kernels))
+        print(f"\n{impl}, {shape}, GPU time per forward+backward by kernel:\n"
+              f"{report.kernel_table(kernels)}\n", flush=True)
+    return sections
 
 
 def run(args: argparse.Namespace) -> int:
@@ -78,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
     against = args.against == "fla"
     command = reproducing_command(args)
     print(report.describe(meta, command), flush=True)
-    done, failed = [], False
+    done, profiles, failed = [], [], False
     for name in args.ops:
         family = importlib.import_module(FAMILIES[name])
         try:
@@ -96,6 +116,8 @@ def run(args: argparse.Namespace) -> int:
                 for row in family.measure(shape, against):
                     rows.append({"family": name, **row, "batch": shape.batch,
                                  "length": shape.length, "heads": shape.heads})
+                if args.profile and hasattr(family, "profile_steps"):
+                    profiles += _profile(family, shape, against)
                 print(f"{name} {shape}: done", flush=True)
         except CheckFailed as error:
             print(f"{name}: CHECK FAILED: {error}", flush=True)
@@ -106,5 +128,7 @@ def run(args: argparse.Namespace) -> int:
         # written after every family: a run stopped later keeps what it finished
         paths = report.write(args.out, [(title, rows) for _, title, rows in done], meta, command)
         paths += report.plot(args.out, name, rows, getattr(family, "PLOT_IMPLS", None))
+        if profiles:
+            paths.append(report.write_profile(args.out, profiles, meta, command))
         print("wrote " + ", ".join(paths), flush=True)
     return 1 if failed else 0

@@ -33,6 +33,13 @@ def check(against_fla: bool) -> dict[str, float]:
                         per_key=True, where="kda")
 
 
+def _impls(against_fla: bool) -> dict:
+    return {"ours": ours, **({"FLA": fla()} if against_fla else {})}
+
+
 def measure(shape: Shape, against_fla: bool) -> list[dict]:
-    impls = {"ours": ours, **({"FLA": fla()} if against_fla else {})}
-    return _delta.measure(shape, impls, per_key=True)
+    return _delta.measure(shape, _impls(against_fla), per_key=True)
+
+
+def profile_steps(shape: Shape, against_fla: bool) -> dict:
+    return _delta.steps(shape, _impls(against_fla), per_key=True)

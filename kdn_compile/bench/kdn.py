@@ -11,7 +11,9 @@ import torch
 
 import kdn_compile
 from kdn_compile.bench import _delta
-from kdn_compile.bench.timing import Shape, relative_error, require_close, time_forward_backward
+from kdn_compile.bench.timing import (
+    Shape, fwd_bwd, relative_error, require_close, time_forward_backward,
+)
 from kdn_compile.reference import diag_kdn_reference
 
 TITLE = "Diag-KDN: diag_kdn, with our chunk_kda as the yardstick, K = V = 128, bf16"
@@ -64,3 +66,9 @@ def check(against_fla: bool) -> dict[str, float]:
 def measure(shape: Shape, against_fla: bool) -> list[dict]:
     return time_forward_backward(lambda seed: make_inputs(shape, seed),
                                  {"ours": ours, "chunk_kda": kda})
+
+
+def profile_steps(shape: Shape, against_fla: bool) -> dict:
+    inputs = make_inputs(shape, 0)
+    grad = torch.randn_like(inputs[2])
+    return {"ours": fwd_bwd(ours, inputs, grad), "chunk_kda": fwd_bwd(kda, inputs, grad)}

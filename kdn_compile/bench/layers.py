@@ -67,23 +67,34 @@ def _step(fn, x, grad):
     return run
 
 
-def measure(shape: Shape, against_fla: bool) -> list[dict]:
+def _steps(name: str, shape: Shape, against_fla: bool, *, eager: bool = True) -> dict:
+    """Forward+backward steps of layer ``name`` at ``shape``: ours compiled (and eager), FLA's
+    eager where it has that layer."""
     B, T, H = shape
+    x = torch.randn(B, T, H * HEAD_DIM, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    grad = torch.randn_like(x)
+    layer = our_layer(name, H).to(torch.bfloat16)
+    impls = {"ours": torch.compile(lambda t: layer(t)[0], fullgraph=True)}
+    if eager:
+        impls["ours eager"] = lambda t: layer(t)[0]
+    fla = fla_layer(name, H) if against_fla else None
+    if fla is not None:
+        impls["FLA"] = lambda t: fla(t)[0]
+    return {impl: _step(fn, x, grad) for impl, fn in impls.items()}
+
+
+def measure(shape: Shape, against_fla: bool) -> list[dict]:
     rows = []
     for name in ("gdn", "kda", "kdn"):
-        x = torch.randn(B, T, H * HEAD_DIM, device="cuda", dtype=torch.bfloat16,
-                        requires_grad=True)
-        grad = torch.randn_like(x)
-        layer = our_layer(name, H).to(torch.bfloat16)
-        impls = {"ours": torch.compile(lambda t, m=layer: m(t)[0], fullgraph=True),
-                 "ours eager": lambda t, m=layer: m(t)[0]}
-        fla = fla_layer(name, H) if against_fla else None
-        if fla is not None:
-            impls["FLA"] = lambda t, m=fla: m(t)[0]
-        for impl, fn in impls.items():
-            step = _step(fn, x, grad)
+        for impl, step in _steps(name, shape, against_fla).items():
             rows.append({"case": name, "impl": impl, "ms": median_ms(step),
                          "peak_mib": peak_mib(step)})
-        del x, grad, layer, fla, impls, step
+        del step
         torch.cuda.empty_cache()
     return rows
+
+
+def profile_steps(shape: Shape, against_fla: bool) -> dict:
+    """Our compiled layers' steps (``ours gdn``, ...) and FLA's (``FLA gdn``, ...)."""
+    return {f"{impl} {name}": step for name in ("gdn", "kda", "kdn")
+            for impl, step in _steps(name, shape, against_fla, eager=False).items()}

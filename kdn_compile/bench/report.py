@@ -58,6 +58,47 @@ def table(rows: Sequence[dict]) -> str:
     return "\n".join(lines)
 
 
+def kernel_table(kernels: Sequence[dict], top: int = 12) -> str:
+    """A markdown table of :func:`~kdn_compile.bench.timing.kernel_times` rows: the ``top``
+    slowest kernels with calls and milliseconds per step and their share of the step's GPU
+    time, then one line for the rest and the total."""
+    total = sum(k["ms"] for k in kernels) or 1.0
+    lines = ["| kernel | calls | ms | share |", "|---|---|---|---|"]
+    rest = kernels[top:]
+    for k in kernels[:top]:
+        name = k["kernel"] if len(k["kernel"]) <= 80 else k["kernel"][:77] + "..."
+        lines.append(f"| `{name}` | {k['calls']:g} | {k['ms']:.3f} | {k['ms'] / total:.0%} |")
+    if rest:
+        ms = sum(k["ms"] for k in rest)
+        lines.append(f"| ({len(rest)} others) | {sum(k['calls'] for k in rest):g} | {ms:.3f} | "
+                     f"{ms / total:.0%} |")
+    lines.append(f"| total | {sum(k['calls'] for k in kernels):g} | "
+                 f"{sum(k['ms'] for k in kernels):.3f} | 100% |")
+    return "\n".join(lines)
+
+
+def profile_markdown(sections: Sequence[tuple[str, str, str, Sequence[dict]]], meta: dict,
+                     command: str) -> str:
+    """The profile page: the run's description, then per ``(family title, shape, impl,
+    kernels)`` a heading and :func:`kernel_table`."""
+    parts = [describe(meta, command).replace(
+        "milliseconds are triton.testing.do_bench medians",
+        "GPU milliseconds per forward+backward step by kernel (torch.profiler)")]
+    for title, shape, impl, kernels in sections:
+        parts += [f"### {title}: {impl}, {shape}", kernel_table(kernels)]
+    return "\n\n".join(parts) + "\n"
+
+
+def write_profile(out_dir: str, sections: Sequence[tuple[str, str, str, Sequence[dict]]],
+                  meta: dict, command: str) -> str:
+    """Writes :func:`profile_markdown` to ``out_dir/profile.md``; returns its path."""
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, "profile.md")
+    with open(path, "w") as f:
+        f.write(profile_markdown(sections, meta, command))
+    return path
+
+
 def describe(meta: dict, command: str) -> str:
     """One line naming the GPU, versions, commit and time of a run, and its command."""
     return (f"{meta['gpu']}, torch {meta['torch']}, Triton {meta['triton']}, FLA: {meta['fla']}; "

@@ -16,6 +16,7 @@ import torch
 WARMUP_MS = 25  # do_bench's warm-up, then REPEAT_MS of timed calls (medians)
 REPEAT_MS = 100
 ROTATE_MAX = 8  # at most this many input sets in the rotation of :func:`rotating`
+PROFILE_STEPS = 5  # steps recorded by :func:`kernel_times`, after one warm step
 
 
 class CheckFailed(RuntimeError):
@@ -110,6 +111,37 @@ def fwd_bwd(fn: Callable[..., Sequence[torch.Tensor]], inputs: Sequence[torch.Te
     def step():
         torch.autograd.backward([fn(*leaves)[0]], [grad])
     return step
+
+
+def kernel_times(step: Callable[[], object], steps: int = PROFILE_STEPS) -> list[dict]:
+    """The GPU work of one ``step()`` by kernel, slowest first: ``{"kernel", "calls", "ms"}``
+    per step, averaged over ``steps`` steps recorded by ``torch.profiler`` after one warm
+    step (kernels, copies and memsets, as the CUDA activity trace names them)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    return summarize_kernels(prof.events(), steps)
+
+
+def summarize_kernels(events, steps: int) -> list[dict]:
+    """:func:`kernel_times` of profiler ``events`` (``FunctionEvent``-like: ``name``,
+    ``device_type``, ``time_range.elapsed_us()``) covering ``steps`` steps: the device
+    events grouped by name, per step, slowest first."""
+    totals: dict[str, list] = {}
+    for event in events:
+        if event.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        total = totals.setdefault(event.name, [0, 0.0])
+        total[0] += 1
+        total[1] += event.time_range.elapsed_us()
+    rows = [{"kernel": name, "calls": calls / steps, "ms": us / steps / 1e3}
+            for name, (calls, us) in totals.items()]
+    return sorted(rows, key=lambda row: -row["ms"])
 
 
 def time_forward_backward(make: Callable[[int], Sequence[torch.Tensor]],
