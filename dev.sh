@@ -22,9 +22,10 @@ TRITON_PIN="triton==3.9.0"
 # setuptools: the editable install runs without build isolation, and a Python 3.12+ venv has none.
 EXTRA_PINS=("setuptools==84.2.1" "pytest==9.2.0" "expecttest==0.3.0" "sphinx==9.0.4" "myst-parser==5.2.0" "tqdm==4.70.1" "numpy")
 # For the tests only: transformers (the integration's tests; its own dependencies come
-# with it, torch is not one of them) and hypothesis (the property-based tests; 6.168.5 is
-# its newest release with wheels for Python 3.10, the oldest Python this package supports).
-TEST_PINS=("transformers==5.17.0" "hypothesis==6.168.5")
+# with it, torch is not one of them), hypothesis (the property-based tests; 6.168.5 is
+# its newest release with wheels for Python 3.10, the oldest Python this package supports)
+# and pytest-xdist (`./dev.sh test -n 2` runs the suite on two processes, as CI does).
+TEST_PINS=("transformers==5.17.0" "hypothesis==6.168.5" "pytest-xdist==3.8.0")
 
 # The directories that hold the starting interpreter's packages (torch's first).
 OUTER_SITE='import os, site, sys, torch
@@ -40,6 +41,7 @@ install_missing() {
         module=${module//-/_}
         # an older setuptools (a venv's own) cannot build the editable install's wheel
         [ "$module" = setuptools ] && module=setuptools.command.bdist_wheel
+        [ "$module" = pytest_xdist ] && module=xdist
         if ! python -c "import $module" 2>/dev/null; then
             "${pip[@]}" "$pin" || echo "dev.sh: could not install $pin (offline?); continuing" >&2
         fi
