@@ -36,6 +36,7 @@ Where a check fails:
 
 The switch is a module global read while Dynamo traces a public function, so
 ``torch.compile`` guards on it: turning it on or off recompiles.
+Under tensor parallelism each rank checks its own shards of DTensor inputs.
 State pools (decode) and ``cu_seqlens`` are not value-checked here
 (``cu_seqlens`` and slot indices are always checked, see each function).
 """
@@ -49,6 +50,13 @@ import torch
 __all__ = ["get_debug", "set_debug"]
 
 _enabled = os.environ.get("KDN_DEBUG", "") not in ("", "0")
+
+if torch.distributed.is_available():
+    from torch.distributed.tensor import DTensor
+
+    _DTENSOR: tuple = (DTensor,)
+else:
+    _DTENSOR = ()
 
 # What each argument must be: (condition, the message's words); others only finite.
 _FINITE = (torch.isfinite, "finite (no NaN or inf)")
@@ -89,6 +97,8 @@ def check_values(function: str, *, resets: bool = False, **tensors: torch.Tensor
     for name, t in tensors.items():
         if t is None or not t.is_floating_point() or t.device.type == "meta":
             continue
+        if isinstance(t, _DTENSOR):  # each rank checks its own shard
+            t = t.to_local()
         condition, words = (_RESET_GATES if resets and name == "g"
                             else _DOMAINS.get(name, _FINITE))
         torch._assert_async(condition(t).all(),
