@@ -168,7 +168,8 @@ def chunk_gdn(
     )
     check_flag("state_v_first", state_v_first)
     check_flag("state_qdq", state_qdq)
-    check_values("chunk_gdn", resets=True, q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state)
+    check_values("chunk_gdn", resets=True, q=q, k=k, v=v, g=g, beta=beta,
+                 initial_state=initial_state)
     scale, block_v, chunk_size = _scale(scale, q), _block_v(state_qdq_block_v), int(chunk_size)
     cu_seqlens = _contiguous(cu_seqlens)
     kernels = prefer_kernels(q.device.type)

@@ -19,6 +19,7 @@ The kernels form ``rho_t`` from ``min(I_t, 1)`` and ``min(1, 1 / I_t)``, and ``p
 ``p_hat_t / (r_t + info_scale k_t^2 p_hat_t)``: never ``I_t`` or ``1 / r_t``, which overflow
 float32 for a tiny ``r``. A zero ``dprecision`` gives ``lam_T = 0`` (also where ``p_T^2``
 underflows); a nonzero one there overflows ``lam_T``.
+
 Three stages mirror the forward: each chunk's composed affine map from a
 forward walk that also keeps ``p_{t-1}`` in a ``[B, T, H, K]`` scratch (all
 chunks in parallel); a reverse scan over chunks for the adjoint entering every
