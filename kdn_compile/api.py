@@ -97,12 +97,12 @@ def chunk_gdn(
             L2-normalized (k) and activated.
         v: ``[B, T, Hv, V]``, same dtype; ``Hv`` a multiple of ``Hk`` (value
             head ``h`` reads key head ``h // (Hv // Hk)``).
-        g: ``[B, T, Hv]`` natural-log decay per token and value head, finite and
-            ``<= 0`` (checked in debug mode only, :mod:`kdn_compile.debug`: a positive or
+        g: ``[B, T, Hv]`` natural-log decay per token and value head, ``<= 0`` and not
+            NaN (checked in debug mode only, :mod:`kdn_compile.debug`: a positive or
             NaN gate can make its whole chunk NaN, earlier tokens included). Each gate is
             floored at ``GDN_GATE_FLOOR = -128``, where its decay is zero in float32 anyway
             (zero ``dg`` below it), so any ``g <= 0`` is an exact hard reset (``-inf`` as
-            well, though debug mode rejects it). In float32 the kernels' ``dg`` of heads decaying by ``e^-8``
+            well). In float32 the kernels' ``dg`` of heads decaying by ``e^-8``
             per token or faster loses relative accuracy (``3e-2`` near ``-10``; the
             reference keeps it; see the limitations page).
         beta: ``[B, T, Hv]`` write strengths, usually in ``(0, 1)``.
@@ -122,7 +122,8 @@ def chunk_gdn(
         w_quantizer: callable applied once to the whole WY operand
             ``W [B, T, Hv, K]`` (float32; float64 for float64 inputs); with it the
             computation runs as two ops with the callable traced between them (e.g.
-            :func:`kdn_compile.quantization.fp8_row_qdq`).
+            :func:`kdn_compile.quantization.fp8_row_qdq`); debug mode checks that its
+            result is finite.
 
     Kernels (CUDA): FP8 state QDQ runs inside the recurrence kernels (one program per
     ``[K, state_qdq_block_v]`` scale tile; the backward reads the forward's float8 chunk
@@ -145,8 +146,8 @@ def chunk_gdn(
             ``cu_seqlens``, a non-numeric ``chunk_size``, non-bool flags, a ``scale``
             that is not a number (an int is taken as a float), a ``w_quantizer``
             result that is not a float tensor.
-        RuntimeError: in debug mode, a non-finite input or a gate above 0 (on CUDA a
-            device-side assert, see :mod:`kdn_compile.debug`).
+        RuntimeError: in debug mode, a non-finite input (a gate of ``-inf`` aside) or a
+            gate above 0 (on CUDA a device-side assert, see :mod:`kdn_compile.debug`).
         NotImplementedError: at a backward through the gradients (double backward).
 
     Source: the chunked WY form of the gated delta rule (Yang et al., Gated Delta
@@ -167,7 +168,8 @@ def chunk_gdn(
     )
     check_flag("state_v_first", state_v_first)
     check_flag("state_qdq", state_qdq)
-    check_values("chunk_gdn", q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state)
+    check_values("chunk_gdn", resets=True, q=q, k=k, v=v, g=g, beta=beta,
+                 initial_state=initial_state)
     scale, block_v, chunk_size = _scale(scale, q), _block_v(state_qdq_block_v), int(chunk_size)
     cu_seqlens = _contiguous(cu_seqlens)
     kernels = prefer_kernels(q.device.type)
@@ -177,6 +179,7 @@ def chunk_gdn(
         w, u, *_ = operands(k, v, g, beta, cu_seqlens, chunk_size)
         quantized = w_quantizer(w)
         _check_w(quantized, w)
+        check_values("chunk_gdn", **{"w_quantizer(W)": quantized})
         recurrence = _ops.gdn_wy_recurrence if kernels else _ops.gdn_wy_recurrence_reference
         o, final_state, *_ = recurrence(
             q, k, quantized, u, g, initial_state, cu_seqlens, chunk_size, scale,
@@ -230,7 +233,7 @@ def chunk_kda(
 
     Raises:
         ValueError, TypeError, RuntimeError: as :func:`chunk_gdn`; ``g`` must be
-            ``[B, T, Hv, K]``.
+            ``[B, T, Hv, K]``; debug mode rejects a gate of ``-inf`` as well.
 
     Source: Kimi Linear (Moonshot AI, 2025), KDA; as specified by
     :func:`kdn_compile.reference.recurrent_delta_rule_reference` with a per-key gate.
@@ -277,8 +280,8 @@ def recurrent_delta_rule(
     Args:
         q, k: ``[B, T, Hk, K]``; v: ``[B, T, Hv, V]``; beta: ``[B, T, Hv]``;
             dtypes as :func:`chunk_gdn`.
-        g: natural-log decay (finite, ``<= 0``), ``[B, T, Hv]`` (GDN) or ``[B, T, Hv, K]``
-            (KDA); taken as is (the token loop needs no floor).
+        g: natural-log decay (``<= 0``; ``-inf`` is a hard reset), ``[B, T, Hv]`` (GDN) or
+            ``[B, T, Hv, K]`` (KDA); taken as is (the token loop needs no floor).
         scale: output scale, default ``K ** -0.5``.
         initial_state: ``[N, Hv, K, V]`` (value-major with ``state_v_first``),
             any float dtype; zeros when ``None``.
@@ -298,7 +301,7 @@ def recurrent_delta_rule(
         state_v_first=state_v_first, gate="any",
     )
     check_flag("state_v_first", state_v_first)
-    check_values("recurrent_delta_rule", q=q, k=k, v=v, g=g, beta=beta,
+    check_values("recurrent_delta_rule", resets=True, q=q, k=k, v=v, g=g, beta=beta,
                  initial_state=initial_state)
     op = (_ops.recurrent_delta_rule if prefer_kernels(q.device.type)
           else _ops.recurrent_delta_rule_reference)

@@ -84,8 +84,8 @@ def delta_rule_decode(
         q, k: ``[B, T, Hk, K]`` (L2-normalized), float16/bfloat16/float32 (float64 runs
             the reference), ``1 <= T <= 8``.
         v: ``[B, T, Hv, V]``, q's dtype; value head ``h`` reads key head ``h // (Hv // Hk)``.
-        g: natural-log decays (finite, ``<= 0``; checked in debug mode only,
-            :mod:`kdn_compile.debug`), ``[B, T, Hv]`` (GDN) or ``[B, T, Hv, K]`` (KDA).
+        g: natural-log decays (``<= 0``, ``-inf`` a hard reset; checked in debug mode
+            only, :mod:`kdn_compile.debug`), ``[B, T, Hv]`` (GDN) or ``[B, T, Hv, K]`` (KDA).
         beta: ``[B, T, Hv]`` write strengths.
         state_pool: ``[S, Hv, K, V]`` (``[S, Hv, V, K]`` with ``state_v_first``),
             contiguous, float32, bfloat16 or float8_e4m3fn (float64: reference only),
@@ -148,7 +148,7 @@ def delta_rule_decode(
                    "[B, T, Hv, V, K]" if state_v_first else "[B, T, Hv, K, V]",
                    (t,) + state_shape, allowed, q.device, slots=b)
     check_slot_indices(state_indices, b, slots, q.device)
-    check_values("delta_rule_decode", q=q, k=k, v=v, g=g, beta=beta)
+    check_values("delta_rule_decode", resets=True, q=q, k=k, v=v, g=g, beta=beta)
     op = _ops.delta_rule_decode if prefer_kernels(q.device.type) else _ops.delta_rule_decode_reference
     if op is _ops.delta_rule_decode and eager_cuda(q):
         op = delta_rule_decode_body  # the op's own body, without the dispatcher

@@ -15,6 +15,11 @@ and ``mu_t = dL/dp_hat_t = rho_t^2 lam_t + e_t`` gives every gradient::
     dr_t         = -c_t / D_t + sum_i lam_ti p_ti^2 I_ti / r_t
     dprecision0  = -lam_0 p_0^2
 
+The kernels form ``rho_t`` from ``min(I_t, 1)`` and ``min(1, 1 / I_t)``, and ``p_t / r_t`` as
+``p_hat_t / (r_t + info_scale k_t^2 p_hat_t)``: never ``I_t`` or ``1 / r_t``, which overflow
+float32 for a tiny ``r``. A zero ``dprecision`` gives ``lam_T = 0`` (also where ``p_T^2``
+underflows); a nonzero one there overflows ``lam_T``.
+
 Three stages mirror the forward: each chunk's composed affine map from a
 forward walk that also keeps ``p_{t-1}`` in a ``[B, T, H, K]`` scratch (all
 chunks in parallel); a reverse scan over chunks for the adjoint entering every
@@ -60,7 +65,7 @@ def _kalman_gain_bwd_chunk_map_kernel(
     b_b = tl.zeros([BK], tl.float32)
     for i in tl.range(0, BT, num_stages=NUM_STAGES):
         t = t0 + i
-        b_k, b_a2, b_w, b_r, b_rr, b_i = _token_inputs(
+        b_k, b_a2, b_w, b_r, b_kk, b_i, b_inv = _token_inputs(
             k + i_h * K, log_alpha + i_h * K, omega + i_h * K, r + i_h, t, eos,
             o_k, H, K, info_scale)
         o = t * H * K + i_h * K + o_k
@@ -68,7 +73,7 @@ def _kalman_gain_bwd_chunk_map_kernel(
         b_u = tl.load(dgain + o, mask=m, other=0.0).to(tl.float32)
         tl.store(prev_cov + o, b_p, mask=m)
         b_ph = b_a2 * b_p + b_w
-        b_rho = 1.0 / (1.0 + b_i * b_ph)
+        b_rho = b_inv / (b_inv + b_i * b_ph)
         b_d = 1.0 / (b_r + tl.sum(b_ph * b_k * b_k, 0))
         b_c = tl.sum(b_u * b_ph * b_k, 0) * b_d
         # The maps so far (applied last) after G_t = (a^2 rho^2, a^2 e_t).
@@ -95,7 +100,10 @@ def _kalman_gain_bwd_chunk_scan_kernel(
     o_s = (i_n * H + i_h) * K + o_k
     if HAS_DPRECISION:
         b_pt = tl.load(final_cov + o_s, mask=m_k, other=1.0)
-        b_lam = -tl.load(dprecision + o_s, mask=m_k, other=0.0).to(tl.float32) / (b_pt * b_pt)
+        b_dp = tl.load(dprecision + o_s, mask=m_k, other=0.0).to(tl.float32)
+        # a zero dprecision (autograd's for an unused precision) adds nothing, also where
+        # p_T^2 underflows (0 / 0); a nonzero one there overflows the adjoint (NaN gradients)
+        b_lam = tl.where(b_dp == 0.0, 0.0, -b_dp / (b_pt * b_pt))
     else:
         b_lam = tl.zeros([BK], dtype=tl.float32)
     if n_c > 0:
@@ -138,7 +146,7 @@ def _kalman_gain_bwd_kernel(
     b_lam = tl.load(chunk_adj + (i_c * H + i_h) * K + o_k, mask=o_k < K, other=0.0)
     for i in tl.range(0, BT, num_stages=NUM_STAGES):
         t = t0 + BT - 1 - i
-        b_k, b_a2, b_w, b_r, b_rr, b_i = _token_inputs(
+        b_k, b_a2, b_w, b_r, b_kk, b_i, b_inv = _token_inputs(
             k + i_h * K, log_alpha + i_h * K, omega + i_h * K, r + i_h, t, eos,
             o_k, H, K, info_scale)
         o = t * H * K + i_h * K + o_k
@@ -146,19 +154,21 @@ def _kalman_gain_bwd_kernel(
         b_u = tl.load(dgain + o, mask=m, other=0.0).to(tl.float32)
         b_prev = tl.load(prev_cov + o, mask=m, other=1.0)
         b_ph = b_a2 * b_prev + b_w
-        b_rho = 1.0 / (1.0 + b_i * b_ph)
+        b_rho = b_inv / (b_inv + b_i * b_ph)
         b_d = 1.0 / (b_r + tl.sum(b_ph * b_k * b_k, 0))
         b_c = tl.sum(b_u * b_ph * b_k, 0) * b_d
-        b_lp = b_lam * (b_ph * b_rho) * (b_ph * b_rho)
+        # p / r = p_hat / (r + info_scale k^2 p_hat), without 1 / r (it overflows)
+        b_pr = b_ph / (b_r + b_kk * b_ph)
+        b_lpr = b_lam * (b_ph * b_rho) * b_pr  # lam p^2 / r
         b_mu = b_rho * b_rho * b_lam + b_k * (b_u - b_c * b_k) * b_d
         tl.store(domega + o, b_mu, mask=m)
         b_dla = 2.0 * b_a2 * b_prev * b_mu
-        b_dk = b_ph * (b_u - 2.0 * b_c * b_k) * b_d - 2.0 * info_scale * b_k * b_lp * b_rr
+        b_dk = b_ph * (b_u - 2.0 * b_c * b_k) * b_d - 2.0 * info_scale * b_k * b_lpr
         if ADD:
             b_dla += tl.load(dlog_alpha_in + o, mask=m, other=0.0).to(tl.float32)
             b_dk += tl.load(dk_in + o, mask=m, other=0.0).to(tl.float32)
         tl.store(dlog_alpha + o, b_dla, mask=m)
         tl.store(dk + o, b_dk, mask=m)
-        b_dr = (tl.sum(b_lp * b_i, 0) * b_rr - b_c * b_d) + tl.zeros([1], tl.float32)
+        b_dr = (tl.sum(b_lam * b_kk * b_pr * b_pr, 0) - b_c * b_d) + tl.zeros([1], tl.float32)
         tl.store(dr + t * H + i_h + o_1, b_dr, mask=_token_mask(t, eos, o_1, 1))
         b_lam = b_a2 * b_mu

@@ -2,8 +2,9 @@
 
 Per key channel the covariance step ``p -> (a^2 p + w) / (I a^2 p + 1 + I w)``
 (``a^2 = exp(2 log_alpha)``, ``I = info_scale k^2 / r``) is the Mobius map of
-the 2x2 matrix ``[[a^2, w], [I a^2, 1 + I w]]``. Its entries are all
-non-negative, so products of such matrices have no cancellation. Three stages
+the 2x2 matrix ``[[a^2, w], [I a^2, 1 + I w]]``, divided by ``max(1, I)`` as it
+is formed (``I`` overflows float32 for a tiny ``r``, ``I w`` for a huge ``w``). Its
+entries are all non-negative, so products of such matrices have no cancellation. Three stages
 over chunks of ``BT`` tokens:
 
 1. ``_kalman_gain_chunk_map_kernel``: each chunk's product of maps, walking
@@ -80,7 +81,9 @@ def _token_mask(t, eos, o_k, K):
 
 @triton.jit
 def _token_inputs(k, log_alpha, omega, r, t, eos, o_k, H, K, info_scale):
-    """``(k, a^2, omega, r, 1 / r, I)`` of token ``t``; past ``eos`` an identity step."""
+    """``(k, a^2, omega, r, info_scale k^2, min(I, 1), min(1, 1 / I))`` of token ``t``; past
+    ``eos`` an identity step. ``I = info_scale k^2 / r`` itself is never formed: it overflows
+    float32 for a tiny ``r``; the covariance step divided by ``max(1, I)`` is the same map."""
     m = _token_mask(t, eos, o_k, K)
     o = t * H * K + o_k
     b_k = tl.load(k + o, mask=m, other=0.0).to(tl.float32)
@@ -88,8 +91,10 @@ def _token_inputs(k, log_alpha, omega, r, t, eos, o_k, H, K, info_scale):
     b_w = tl.load(omega + o, mask=m, other=0.0).to(tl.float32)
     # Past eos the key is zero, so r only needs to be finite: read the last token's.
     b_r = tl.load(r + tl.minimum(t, eos - 1) * H).to(tl.float32)
-    b_rr = 1.0 / b_r
-    return b_k, b_a2, b_w, b_r, b_rr, info_scale * b_k * b_k * b_rr
+    b_kk = info_scale * b_k * b_k
+    large = b_kk > b_r
+    return (b_k, b_a2, b_w, b_r, b_kk, tl.where(large, 1.0, b_kk / b_r),
+            tl.where(large, b_r / b_kk, 1.0))
 
 
 @triton.jit
@@ -110,14 +115,16 @@ def _kalman_gain_chunk_map_kernel(
     b_10 = tl.zeros([BK], tl.float32)
     b_11 = tl.full([BK], 1.0, tl.float32)
     for i in tl.range(0, BT, num_stages=NUM_STAGES):
-        b_k, b_a2, b_w, b_r, b_rr, b_i = _token_inputs(
+        b_k, b_a2, b_w, b_r, b_kk, b_i, b_inv = _token_inputs(
             k + i_h * K, log_alpha + i_h * K, omega + i_h * K, r + i_h, t0 + i, eos,
             o_k, H, K, info_scale)
-        # [[1, 0], [I, 1]] @ [[a^2, w], [0, 1]] @ product
+        # [[1, 0], [I, 1]] @ [[a^2, w], [0, 1]] @ product, divided by max(1, I)
         c00 = b_a2 * b_00 + b_w * b_10
         c01 = b_a2 * b_01 + b_w * b_11
-        c10 = b_i * c00 + b_10
-        c11 = b_i * c01 + b_11
+        c10 = b_i * c00 + b_inv * b_10
+        c11 = b_i * c01 + b_inv * b_11
+        c00 *= b_inv
+        c01 *= b_inv
         s = 1.0 / (c00 + c01 + c10 + c11)
         b_00, b_01, b_10, b_11 = c00 * s, c01 * s, c10 * s, c11 * s
     m_k = o_k < K
@@ -178,11 +185,11 @@ def _kalman_gain_fwd_kernel(
     b_p = tl.load(chunk_cov + (i_c * H + i_h) * K + o_k, mask=o_k < K, other=1.0)
     for i in tl.range(0, BT, num_stages=NUM_STAGES):
         t = t0 + i
-        b_k, b_a2, b_w, b_r, b_rr, b_i = _token_inputs(
+        b_k, b_a2, b_w, b_r, b_kk, b_i, b_inv = _token_inputs(
             k + i_h * K, log_alpha + i_h * K, omega + i_h * K, r + i_h, t, eos,
             o_k, H, K, info_scale)
         b_ph = b_a2 * b_p + b_w
         b_d = 1.0 / (b_r + tl.sum(b_ph * b_k * b_k, 0))
         tl.store(gain + t * H * K + i_h * K + o_k, b_ph * b_k * b_d,
                  mask=_token_mask(t, eos, o_k, K))
-        b_p = b_ph / (1.0 + b_i * b_ph)
+        b_p = b_ph * b_inv / (b_inv + b_i * b_ph)  # p_hat / (1 + I p_hat)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import copy
 import importlib
 import json
 import sys
@@ -177,6 +178,32 @@ def test_coldstart_fails_on_a_wrong_first_output_or_a_crashed_process(monkeypatc
     result.update(stdout="", returncode=1)
     with pytest.raises(RuntimeError, match="exit code 1:\nTraceback: boom"):
         coldstart.measure(Shape(1, 64, 2), False)
+
+
+def test_coldstart_layer_reference_is_the_timed_layer_in_float64(monkeypatch):
+    """The first output of a layer is checked against the same layer, its bf16 weights in
+    float64 (not the float32 weights it was rounded from)."""
+    from kdn_compile import layers as our_layers
+    from kdn_compile.bench import coldstart, layers
+
+    made = []
+
+    def small_layer(name, heads):
+        torch.manual_seed(0)
+        made.append(our_layers.GatedDeltaNet(heads * 16, heads, 16))
+        return made[-1]
+
+    monkeypatch.setattr(layers, "our_layer", small_layer)
+    monkeypatch.setattr(layers, "HEAD_DIM", 16)
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: fn)
+    step, reference = coldstart._layer_step("gdn layer", "ours", Shape(1, 12, 2))
+    y = step()
+    timed = made[-1]
+    assert next(timed.parameters()).dtype == torch.bfloat16
+    x = torch.randn(1, 12, 32, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    expected = copy.deepcopy(timed).double()(x.double())[0]
+    assert torch.equal(reference(), expected)
+    assert (y.double() - expected).norm() <= 3e-2 * expected.norm()
 
 
 def test_a_check_failing_while_measuring_stops_only_that_family(monkeypatch, capsys, tmp_path):

@@ -13,8 +13,9 @@ import pytest
 import torch
 
 import kdn_compile
-from _helpers import delta_inputs, kdn_inputs
+from _helpers import assert_close, delta_inputs, kdn_inputs
 from kdn_compile import debug
+from kdn_compile import reference as ref
 
 KDN_KWARGS = {"scale": 8**-0.5, "info_scale": 1.0}
 
@@ -77,21 +78,25 @@ def _kdn(T=9):
 
 # function, its name in the message, inputs, argument, bad value, what the message says
 CASES = [
-    (_chunk_gdn, "chunk_gdn", _delta, "g", 0.5, "finite and <= 0"),
-    (_chunk_gdn, "chunk_gdn", _delta, "g", float("-inf"), "finite and <= 0"),
+    (_chunk_gdn, "chunk_gdn", _delta, "g", 0.5, "<= 0 and not NaN"),
+    (_chunk_gdn, "chunk_gdn", _delta, "g", float("inf"), "<= 0 and not NaN"),
+    (_chunk_gdn, "chunk_gdn", _delta, "g", float("nan"), "<= 0 and not NaN"),
     (_chunk_gdn, "chunk_gdn", _delta, "v", float("nan"), "finite"),
     (_chunk_gdn, "chunk_gdn", _delta, "q", float("inf"), "finite"),
     (_chunk_gdn, "chunk_gdn", _delta, "beta", float("nan"), "finite"),
     (_chunk_gdn, "chunk_gdn", _delta, "initial_state", float("nan"), "finite"),
     (_chunk_kda, "chunk_kda", lambda: _delta(per_key=True), "g", 1e-3, "finite and <= 0"),
+    (_chunk_kda, "chunk_kda", lambda: _delta(per_key=True), "g", float("-inf"),
+     "finite and <= 0"),
     (_recurrent, "recurrent_delta_rule", _delta, "k", float("nan"), "finite"),
+    (_recurrent, "recurrent_delta_rule", _delta, "g", float("nan"), "<= 0 and not NaN"),
     (_diag_kdn, "diag_kdn", _kdn, "log_alpha", 0.1, "finite and <= 0"),
     (_diag_kdn, "diag_kdn", _kdn, "omega", -1.0, "finite and >= 0"),
     (_diag_kdn, "diag_kdn", _kdn, "r", 0.0, "finite and > 0"),
     (_diag_kdn, "diag_kdn", _kdn, "precision", 0.0, "finite and > 0"),
     (_diag_kdn, "diag_kdn", _kdn, "memory", float("inf"), "finite"),
     (_delta_rule_decode, "delta_rule_decode", lambda: _delta(T=2, state=False), "g", 2.0,
-     "finite and <= 0"),
+     "<= 0 and not NaN"),
     (_diag_kdn_decode, "diag_kdn_decode", lambda: _kdn(T=2), "r", -1.0, "finite and > 0"),
 ]
 IDS = [f"{c[1]}-{c[3]}-{c[4]}" for c in CASES]
@@ -105,6 +110,36 @@ def test_eager_error_names_function_and_argument(debug_on, fn, function, make, n
     match = f"kdn_compile debug: {function}: {name} must be {words}"
     with pytest.raises(RuntimeError, match=match):
         fn(_poisoned(x, name, value))
+
+
+@pytest.mark.parametrize("fn,per_key", [
+    (_chunk_gdn, False), (_recurrent, False), (_recurrent, True), (_delta_rule_decode, False),
+    (_delta_rule_decode, True),
+], ids=["chunk_gdn", "recurrent", "recurrent-per-key", "decode", "decode-per-key"])
+def test_minus_inf_gates_pass_as_hard_resets(debug_on, fn, per_key):
+    """A gate of -inf is a hard reset where the function takes it: debug mode lets it through
+    and the output is the float64 token loop's."""
+    x = _delta(per_key=per_key, T=2 if fn is _delta_rule_decode else 9,
+               state=fn is not _delta_rule_decode)
+    x["g"][0, 1, 0] = float("-inf")
+    o = fn(x)
+    o = o if fn is _delta_rule_decode else o[0]
+    expected, _ = ref.recurrent_delta_rule_reference(**{n: t.double() for n, t in x.items()})
+    assert_close(o, expected, 1e-5, "o")
+
+
+def test_w_quantizer_result_is_checked(debug_on):
+    """A quantizer that returns NaN for valid inputs is named, eager and compiled."""
+
+    def fn(x):
+        return kdn_compile.chunk_gdn(**x, w_quantizer=lambda w: w / w.abs().amax(-1, keepdim=True))
+
+    x = _delta()
+    x["k"][0, 4, 0] = 0.0  # a zero row of W: 0 / 0
+    torch._dynamo.reset()
+    for f in (fn, torch.compile(fn, fullgraph=True)):
+        with pytest.raises(RuntimeError, match=r"chunk_gdn: w_quantizer\(W\) must be finite"):
+            f(x)
 
 
 def test_off_checks_nothing():
@@ -142,7 +177,7 @@ def test_switching_recompiles():
         kdn_compile.set_debug(False)
         compiled(bad)
         kdn_compile.set_debug(True)
-        with pytest.raises(RuntimeError, match="chunk_gdn: g must be finite and <= 0"):
+        with pytest.raises(RuntimeError, match="chunk_gdn: g must be <= 0 and not NaN"):
             compiled(bad)
         kdn_compile.set_debug(False)
         compiled(bad)

@@ -112,29 +112,61 @@ def test_gdn_reference_gate_gradient_fast_decay():
 KDN_NAMES = ("q", "k", "v", "log_alpha", "omega", "r", "memory", "precision")
 
 
-@pytest.mark.parametrize("extreme", [{"r": 1e-25}, {"omega": 1e20}, {"r": 1e-25, "omega": 1e20}],
-                         ids=["tiny-r", "huge-omega", "both"])
-def test_diag_kdn_reference_extreme_noise_float32(extreme):
-    """The chunked Diag-KDN reference in float32 stays finite and within 1e-4 of the float64
-    token loop where products of the Kalman maps would overflow before renormalizing;
-    gradients too, except ``dr``, which overflows float32 below ``r ~ 1e-19`` (in the token
-    loop as well)."""
+# noises at the edges of float32: (values, tokens they are set at)
+KDN_EXTREMES = {
+    "tiny-r": ({"r": 1e-25}, slice(None)), "huge-omega": ({"omega": 1e20}, slice(None)),
+    "both": ({"r": 1e-25, "omega": 1e20}, slice(None)), "subnormal-r": ({"r": 1e-44}, [10, 20]),
+}
+
+
+def _check_kdn_float32(extreme: str, run, wrt, in_loss: int) -> None:
+    """``run``'s outputs in float32 and the gradients with respect to ``wrt`` of a loss on
+    its first ``in_loss`` outputs, within 1e-4 of the float64 token loop's."""
+    values, tokens = KDN_EXTREMES[extreme]
     x = kdn_inputs(B=1, T=40, H=2, K=8, V=6)
-    for name, value in extreme.items():
-        x[name] = torch.full_like(x[name], value)
+    for name, value in values.items():
+        x[name][:, tokens] = value
     kwargs = {"scale": 8**-0.5, "info_scale": 1.0}
     leaves = {n: t.detach().requires_grad_() for n, t in x.items()}
     expected = ref.diag_kdn_recurrent(*(leaves[n] for n in KDN_NAMES), **kwargs)
-    wrt = [n for n in KDN_NAMES if n != "r" or "r" not in extreme]
     gen = torch.Generator().manual_seed(1)
     cotangents = [torch.randn(t.shape, generator=gen, dtype=torch.float64) for t in expected]
-    loss = sum((t * c).sum() for t, c in zip(expected, cotangents))
+    loss = sum((t * c).sum() for t, c in zip(expected[:in_loss], cotangents))
     grads64 = torch.autograd.grad(loss, [leaves[n] for n in wrt])
     leaves32 = {n: t.detach().float().requires_grad_() for n, t in x.items()}
-    found = ref.diag_kdn_reference(*(leaves32[n] for n in KDN_NAMES), **kwargs)
-    loss = sum((t * c.float()).sum() for t, c in zip(found, cotangents))
+    found = run(*(leaves32[n] for n in KDN_NAMES), **kwargs)
+    loss = sum((t * c.float()).sum() for t, c in zip(found[:in_loss], cotangents))
     grads = torch.autograd.grad(loss, [leaves32[n] for n in wrt])
     for what, a, e in zip(("o", "memory", "precision"), found, expected):
         assert_close(a, e, 1e-4, what)
     for name, a, e in zip(wrt, grads, grads64):
         assert_close(a, e, 1e-4, f"d{name}")
+
+
+@pytest.mark.parametrize("extreme", KDN_EXTREMES)
+def test_diag_kdn_reference_extreme_noise_float32(extreme):
+    """The chunked Diag-KDN reference in float32 stays finite and within 1e-4 of the float64
+    token loop where products of the Kalman maps would overflow before renormalizing, and
+    where ``I = k^2 / r`` itself overflows float32 (a subnormal ``r`` at some tokens);
+    gradients too, except ``dr`` where every ``r`` is tiny: it overflows float32 below
+    ``r ~ 1e-19`` (in the token loop as well)."""
+    values, tokens = KDN_EXTREMES[extreme]
+    wrt = [n for n in KDN_NAMES if n != "r" or "r" not in values or tokens != slice(None)]
+    _check_kdn_float32(extreme, ref.diag_kdn_reference, wrt, in_loss=3)
+
+
+@needs_kernels
+@pytest.mark.parametrize("extreme", KDN_EXTREMES)
+def test_diag_kdn_gain_kernels_extreme_noise_float32(extreme):
+    """The Kalman gain kernels (forward and backward; the memory on its reference at
+    ``V = 6``) at the same noises: every output, and every gradient of a loss on ``o`` (a
+    zero ``dprecision``), ``dr`` included."""
+    import kdn_compile
+
+    def run(*x, **kwargs):
+        with kdn_compile.use_backend("triton"):
+            found = kdn_compile.diag_kdn(*(t.to("cuda" if CUDA else "cpu") for t in x),
+                                         **kwargs, chunk_size=16)
+        return tuple(t.cpu() for t in found)
+
+    _check_kdn_float32(extreme, run, KDN_NAMES, in_loss=1)

@@ -140,6 +140,35 @@ def _refusals(mesh):
     return found
 
 
+def _debug_cases(mesh):
+    """Debug mode on head-sharded DTensors: each rank checks its own shards, so valid inputs
+    run (eager and compiled) and a positive gate fails on the rank holding its head only."""
+    found = {}
+    kdn_compile.set_debug(True)
+    try:
+        x = delta_inputs(B=2, T=12, Hk=2, Hv=4, K=4, V=4, dtype=torch.float32)
+        y = kdn_inputs(B=2, T=12, H=2, K=4, V=4, dtype=torch.float32)
+        runs = {
+            "chunk_gdn": lambda: kdn_compile.chunk_gdn(**_shard(x, mesh), chunk_size=4),
+            "diag_kdn": lambda: kdn_compile.diag_kdn(**_shard(y, mesh), scale=0.5,
+                                                     info_scale=0.7, chunk_size=4),
+            "compiled": lambda: torch.compile(kdn_compile.recurrent_delta_rule, fullgraph=True,
+                                              backend="aot_eager")(**_shard(x, mesh)),
+        }
+        x_bad = dict(x, g=x["g"].clone())
+        x_bad["g"][0, 5, 3] = 0.5  # head 3: the second rank's
+        runs["bad gate"] = lambda: kdn_compile.chunk_gdn(**_shard(x_bad, mesh), chunk_size=4)
+        for case, run in runs.items():
+            try:
+                run()
+                found[case] = "ran"
+            except RuntimeError as error:
+                found[case] = str(error)
+    finally:
+        kdn_compile.set_debug(False)
+    return found
+
+
 LAYERS = {"gdn": (GatedDeltaNet, dict(num_v_heads=4)),
           "kda": (KimiDeltaAttention, dict(num_v_heads=4)), "kdn": (DiagKDN, {})}
 
@@ -186,7 +215,7 @@ def two_rank_worker(rank, world):
     for name in LAYERS:
         _layer_case(mesh, name, False, errors)
     _layer_case(mesh, "gdn", True, errors)
-    return {"errors": errors, "refusals": _refusals(mesh)}
+    return {"errors": errors, "refusals": _refusals(mesh), "debug": _debug_cases(mesh)}
 
 
 @pytest.fixture(scope="module")
@@ -199,6 +228,14 @@ def test_sharded_ops_and_layers_equal_one_device(two_ranks):
         worst = {k: e for k, e in result["errors"].items() if not e <= 2e-5}  # float32
         assert not worst, f"rank {rank}: {worst}"
         assert len(result["errors"]) > 100
+
+
+def test_debug_mode_checks_each_ranks_shards(two_ranks):
+    first, second = (result["debug"] for result in two_ranks)
+    for case in ("chunk_gdn", "diag_kdn", "compiled"):
+        assert first[case] == second[case] == "ran", (case, first[case], second[case])
+    assert first["bad gate"] == "ran"
+    assert "kdn_compile debug: chunk_gdn: g must be <= 0" in second["bad gate"]
 
 
 def test_other_placements_are_refused(two_ranks):

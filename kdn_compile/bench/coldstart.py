@@ -16,6 +16,7 @@ float64 (ours only) before it reports.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import subprocess
@@ -80,19 +81,20 @@ def _layer_step(case: str, impl: str, shape: Shape):
 
     name = case.split()[0]
     B, T, H = shape
-    x = torch.randn(B, T, H * layers.HEAD_DIM, device="cuda", generator=torch.Generator(
-        "cuda").manual_seed(0)).to(torch.bfloat16).requires_grad_()
     if impl == "ours":
-        exact = layers.our_layer(name, H).double()  # the same weights: our_layer seeds them
+        layer = layers.our_layer(name, H).to(torch.bfloat16)
+        exact = copy.deepcopy(layer).double()  # the timed layer's bf16 weights, in float64
 
         def reference():
             with kdn_compile.use_backend("reference"):
                 return exact(x.detach().double())[0]
-        layer = layers.our_layer(name, H).to(torch.bfloat16)
         fn = torch.compile(lambda t: layer(t)[0], fullgraph=True)
     else:
         layer = layers.fla_layer(name, H)
         fn, reference = (lambda t: layer(t)[0]), None
+    device = next(layer.parameters()).device
+    x = torch.randn(B, T, H * layers.HEAD_DIM, device=device, generator=torch.Generator(
+        device).manual_seed(0)).to(torch.bfloat16).requires_grad_()
 
     def step():
         y = fn(x)

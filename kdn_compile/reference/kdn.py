@@ -190,18 +190,24 @@ def covariance_step_maps(k, log_alpha, omega, r, *, info_scale: float):
     ``[B, T, H, K]``: ``p_t = (m00 p + m01) / (m10 p + m11)``, the matrix
     ``(alpha^2, omega; I alpha^2, 1 + I omega)`` with ``I = info_scale k^2 / r``, scaled.
 
-    Each matrix is divided by ``max(1, |I|)`` as its entries are formed, so that
-    ``I * omega`` cannot overflow (a tiny ``r`` with a large ``omega``), then by its largest
+    Where ``|I| > 1`` the matrix is divided by ``I`` as its entries are formed, from
+    ``1 / I = r / (info_scale k^2)``, so that neither ``I`` nor ``I * omega`` is formed (they
+    overflow for a tiny ``r``, or a tiny ``r`` with a large ``omega``); then by its largest
     entry magnitude (:func:`_normalized`): products of maps stay finite for every ``r > 0``,
     ``omega >= 0`` that float32 holds. Scaling changes no covariance.
     """
     alpha_squared = (2.0 * log_alpha).exp()
-    information = info_scale * k.square() / r[..., None]
-    shrink = information.abs().clamp_min(1.0).detach()
-    weight = information / shrink
+    weight = info_scale * k.square()
+    noise = r[..., None]
+    large = weight.abs() > noise  # |I| > 1
+    # each form divides by 1 where the other is taken: no inf in either one's gradient
+    information = weight / torch.where(large, 1.0, noise)
+    inverse = noise / torch.where(large, weight, 1.0)
     return _normalized((
-        alpha_squared / shrink, omega / shrink, weight * alpha_squared,
-        1.0 / shrink + weight * omega,
+        torch.where(large, alpha_squared * inverse, alpha_squared),
+        torch.where(large, omega * inverse, omega),
+        torch.where(large, alpha_squared, information * alpha_squared),
+        torch.where(large, inverse + omega, 1.0 + information * omega),
     ))
 
 
