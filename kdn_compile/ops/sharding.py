@@ -158,6 +158,17 @@ def _delta_grads(bound, initial="initial_state", count=5):
     return [2] * count + [_optional(1, bound, initial)]
 
 
+def gdn_outputs(bound: dict) -> list:
+    """The head dims of ``kdn::chunk_gdn``'s outputs (None: replicated): the saved tensors
+    of its kernel branch too, the float8 chunk states with ``state_qdq`` (placeholders
+    without, and after the reference)."""
+    run = gdn._gdn_kernels(*_meta(bound, "q", "k", "v", "g", "beta", "initial_state",
+                                  "cu_seqlens"), bound["chunk_size"], bound["state_qdq"],
+                           bound["state_qdq_block_v"])
+    states = 1 if run and bound["state_qdq"] else None
+    return [2, 1] + [2 if run else None] * 3 + [states, states]
+
+
 def _register_delta_rule():
     for op in (_ops.chunk_gdn_reference, _ops.chunk_kda_reference,
                _ops.recurrent_delta_rule_reference, _ops.recurrent_delta_rule):
@@ -165,12 +176,6 @@ def _register_delta_rule():
     for op in (_ops.chunk_gdn_reference_bwd, _ops.chunk_kda_reference_bwd,
                _ops.recurrent_delta_rule_reference_bwd):
         _rule(op.default, {**DELTA, "grad_0": 2, "grad_1": 1}, _delta_grads)
-
-    def gdn_outputs(b):
-        run = gdn._gdn_kernels(*_meta(b, "q", "k", "v", "g", "beta", "initial_state",
-                                      "cu_seqlens"), b["chunk_size"], b["state_qdq"])
-        states = 1 if run and b["state_qdq"] else None  # placeholders without state_qdq
-        return [2, 1] + [2 if run else None] * 3 + [states, states]
 
     _rule(_ops.chunk_gdn.default, DELTA, gdn_outputs)
     _rule(_ops.chunk_gdn_bwd.default, {**DELTA, **GDN_SAVED, **GRADS}, _delta_grads)
