@@ -51,11 +51,18 @@ L2NORM_EPS = 1e-6
 _KEYWORD_HINTS = {
     "head_first": "inputs are token-major [B, T, H, K]; transpose head-first tensors first",
     "transpose_state_layout": "use state_v_first",
+    "return_intermediate_states": "the chunk states stay inside the kdn ops; "
+                                  "output_final_state gives the last one",
 }
+# Keywords of older FLA releases accepted at the value that asks for what kdn ops do.
+_ACCEPTED = {"head_first": False}
 
 
 def _reject(function: str, **unsupported) -> None:
-    """TypeError naming every argument given a value kdn ops do not implement."""
+    """TypeError naming every argument given a value kdn ops do not implement (a keyword
+    of :data:`_ACCEPTED` at its value passes)."""
+    unsupported = {name: value for name, value in unsupported.items()
+                   if not (name in _ACCEPTED and value is _ACCEPTED[name])}
     if unsupported:
         hints = "; ".join(f"{name}: {_KEYWORD_HINTS[name]}" for name in unsupported
                           if name in _KEYWORD_HINTS)

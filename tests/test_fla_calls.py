@@ -259,7 +259,7 @@ REFUSED = [
     ("chunk_gated_delta_rule", {"cp_context": object()}, "cp_context"),
     ("chunk_gated_delta_rule", {"some_option": 1}, "some_option"),
     ("fused_recurrent_gated_delta_rule", {"gv": "GV"}, "gv"),
-    ("fused_recurrent_gated_delta_rule", {"head_first": False}, "head_first"),
+    ("fused_recurrent_gated_delta_rule", {"head_first": True}, "head_first"),
     ("chunk_kda", {"return_intermediate_states": True}, "return_intermediate_states"),
     ("chunk_kda", {"use_graph": True, "max_num_seqs": 4}, "max_num_seqs"),
     ("chunk_kda", {"cp_context": object()}, "cp_context"),
@@ -275,6 +275,17 @@ def test_unsupported_arguments_raise_type_error_naming_them(fn, kwargs, name):
                   for k, v in kwargs.items()}
     with pytest.raises(TypeError, match=name):
         getattr(fla, fn)(*_positional(fn, x), **kwargs)
+
+
+def test_head_first_false_asks_for_the_layout_they_take():
+    """Older FLA releases' ``head_first=False`` is token-major, what every function takes."""
+    x = inputs(per_key=False)
+    expected = fla.chunk_gated_delta_rule(*_positional("chunk_gated_delta_rule", x))
+    for fn in ("chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule"):
+        check(getattr(fla, fn)(*_positional(fn, x), head_first=False), expected, tol=1e-10)
+    with pytest.raises(TypeError, match="output_final_state gives the last one"):
+        fla.chunk_kda(*_positional("chunk_kda", inputs(per_key=True)),
+                      return_intermediate_states=True)
 
 
 INVALID = [
