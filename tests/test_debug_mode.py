@@ -186,9 +186,11 @@ def test_switching_recompiles():
 
 
 def test_environment_variable_and_bad_switch(monkeypatch):
-    """Off unless KDN_DEBUG is set to something other than empty or 0 at import."""
+    """Off unless KDN_DEBUG is set at import to something other than empty, 0, false, no or
+    off."""
     try:
-        for value, on in (("1", True), ("yes", True), ("0", False), ("", False), (None, False)):
+        for value, on in (("1", True), ("yes", True), ("0", False), ("", False), (None, False),
+                          ("false", False), ("Off", False), (" NO ", False)):
             if value is None:
                 monkeypatch.delenv("KDN_DEBUG")
             else:
