@@ -6,6 +6,7 @@ import argparse
 import copy
 import importlib
 import json
+import subprocess
 import sys
 import types
 
@@ -267,3 +268,19 @@ def test_families_that_profile_return_steps_by_implementation():
     profiled = [n for n, m in FAMILIES.items()
                 if hasattr(importlib.import_module(m), "profile_steps")]
     assert profiled == ["gdn", "kda", "kdn", "layers"]
+
+
+def test_source_commit_marks_a_changed_checkout(tmp_path):
+    def git(*args):
+        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path,
+                       check=True, capture_output=True)
+
+    assert timing.source_commit(str(tmp_path)) == "unknown"  # not a checkout
+    git("init", "-q")
+    (tmp_path / "a.py").write_text("x = 1\n")
+    git("add", "a.py")
+    git("commit", "-q", "-m", "a")
+    clean = timing.source_commit(str(tmp_path))
+    assert len(clean) >= 7 and "+" not in clean
+    (tmp_path / "a.py").write_text("x = 2\n")
+    assert timing.source_commit(str(tmp_path)) == clean + "+dirty"

@@ -173,22 +173,32 @@ def fla_version() -> str | None:
     return None
 
 
+def source_commit(folder: str) -> str:
+    """The git commit of the checkout holding ``folder``, with ``+dirty`` when its tracked
+    files differ from it (the timed code is then not that commit's), or ``"unknown"``."""
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=folder, capture_output=True, text=True,
+                              timeout=10)
+    try:
+        commit = git("rev-parse", "--short", "HEAD").stdout.strip()
+        if commit and git("diff", "--quiet", "HEAD", "--").returncode == 1:
+            commit += "+dirty"
+    except (OSError, subprocess.TimeoutExpired):
+        commit = ""
+    return commit or "unknown"
+
+
 def run_metadata() -> dict[str, str]:
-    """GPU name, torch / triton / FLA versions, git commit of the checkout (or
-    ``"unknown"``) and the UTC time."""
+    """GPU name, torch / triton / FLA versions, git commit of the checkout
+    (:func:`source_commit`) and the UTC time."""
     import triton
 
-    here = os.path.dirname(os.path.abspath(__file__))
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here,
-                                capture_output=True, text=True, timeout=10).stdout.strip()
-    except OSError:
-        commit = ""
+    commit = source_commit(os.path.dirname(os.path.abspath(__file__)))
     return {
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "triton": triton.__version__,
         "fla": fla_version() or "absent",
-        "commit": commit or "unknown",
+        "commit": commit,
         "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
