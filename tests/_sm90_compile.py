@@ -187,8 +187,11 @@ def written_indices(kernel, args, kwargs) -> set[str]:
 
     bound = dict(zip(kernel.arg_names, args), **kwargs)
     bound = {k: v for k, v in bound.items() if k not in ("num_warps", "num_stages")}
-    writes = {dep.name for dep in wrap.identify_accessed_tensors(kernel, bound, {})
-              .read_writes.writes}
+    if hasattr(wrap, "identify_accessed_tensors"):
+        writes = {dep.name for dep in wrap.identify_accessed_tensors(kernel, bound, {})
+                  .read_writes.writes}
+    else:  # torch < 2.12 (the GPU machine's 2.11): the same analysis, writes only
+        writes = set(wrap.identify_mutated_tensors(kernel, bound, {}))
     if writes >= {k for k, v in bound.items() if isinstance(v, torch.Tensor)}:
         raise RuntimeError("mutation analysis failed: every tensor counted as written")
     return writes & _INDEX_TENSORS
