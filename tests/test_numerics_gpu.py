@@ -75,7 +75,7 @@ def test_gdn_kernels_hard_resets_against_float64(dtype, tol):
 
 
 def test_gdn_grad_kernel_local_memory():
-    """The backward's grad kernel stays within the 248 B of stack a thread documented in
+    """The backward's grad kernel stays within the 328 B of local memory a thread documented in
     ``grad_config`` (bf16, K = V = 128, sm_90); the message lists every GDN kernel's
     registers and local memory (run with ``-s`` to see them when it passes)."""
     from kdn_compile.lowering import chunk_gdn_bwd, chunk_gdn_fwd
@@ -100,7 +100,7 @@ def test_gdn_grad_kernel_local_memory():
     report = ", ".join(f"{n}: {r} registers, {s} B local" for n, (r, s) in found.items())
     print(report)
     assert "_chunk_gdn_bwd_grad_kernel" in found, report
-    assert found["_chunk_gdn_bwd_grad_kernel"][1] <= 248, report
+    assert found["_chunk_gdn_bwd_grad_kernel"][1] <= 328, report
 
 
 KDN_NAMES = ("q", "k", "v", "log_alpha", "omega", "r", "memory", "precision")
