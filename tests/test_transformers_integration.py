@@ -4,6 +4,8 @@ own PyTorch path, a training step compiled with fullgraph=True, and export. On C
 kdn ops run their references; with CUDA the same tests run again on the Triton kernels."""
 
 import copy
+import importlib
+import inspect
 import subprocess
 import sys
 
@@ -45,6 +47,23 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
 # differently from the loops (CPU runs the exact references).
 TOLERANCE = {"cpu": dict(rtol=1e-4, atol=1e-5), "cuda": dict(rtol=1e-3, atol=1e-4)}
 LINEAR_LAYER = {"qwen3_next": "Qwen3NextGatedDeltaNet", "kimi_linear": "KimiLinearDeltaAttention"}
+
+
+# transformers binds these to FLA's Triton kernels at import when FLA is installed, whatever
+# the device: CPU runs need its PyTorch loops back.
+FLA_BOUND = {"qwen3_next": ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"),
+             "kimi_linear": ("chunk_kimi_delta_attention", "recurrent_kimi_delta_attention")}
+
+
+@pytest.fixture(autouse=True)
+def torch_loops_on_cpu(request, monkeypatch):
+    params = getattr(request.node, "callspec", None)
+    if params is None or params.params.get("device", "cpu") != "cpu":
+        return
+    for name, functions in FLA_BOUND.items():
+        module = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
+        for function in functions:
+            monkeypatch.setattr(module, function, inspect.unwrap(getattr(module, function)))
 
 
 def build(name, device="cpu"):
