@@ -267,7 +267,7 @@ def test_profile_option_writes_each_families_kernels(monkeypatch, capsys, tmp_pa
 def test_families_that_profile_return_steps_by_implementation():
     profiled = [n for n, m in FAMILIES.items()
                 if hasattr(importlib.import_module(m), "profile_steps")]
-    assert profiled == ["gdn", "kda", "kdn", "layers"]
+    assert profiled == ["gdn", "kda", "kdn", "layers", "qat"]
 
 
 def test_source_commit_marks_a_changed_checkout(tmp_path):

@@ -41,7 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--profile", action="store_true",
                         help="also break each shape's forward+backward down by GPU kernel "
                              "(torch.profiler) into profile.md, for the families that "
-                             "support it (gdn, kda, kdn, layers)")
+                             "support it (gdn, kda, kdn, layers, qat)")
     parser.add_argument("--out", default="bench-results",
                         help="folder for rows.json, results.md and the plots "
                              "(default ./bench-results)")

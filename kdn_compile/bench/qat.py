@@ -50,9 +50,15 @@ def check(against_fla: bool) -> dict[str, float]:
     return errors
 
 
-def measure(shape: Shape, against_fla: bool) -> list[dict]:
+def _compiled() -> dict:
     torch._dynamo.reset()
-    impls = {name: torch.compile(_path(options), fullgraph=True)
-             for name, options in OPTIONS.items()}
-    rows = _delta.measure(shape, impls, per_key=False)
+    return {name: torch.compile(_path(options), fullgraph=True) for name, options in OPTIONS.items()}
+
+
+def measure(shape: Shape, against_fla: bool) -> list[dict]:
+    rows = _delta.measure(shape, _compiled(), per_key=False)
     return [dict(row, versus="plain") if row["impl"] != "plain" else row for row in rows]
+
+
+def profile_steps(shape: Shape, against_fla: bool) -> dict:
+    return _delta.steps(shape, _compiled(), per_key=False)
