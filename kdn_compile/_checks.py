@@ -204,7 +204,7 @@ def check_delta_inputs(
     for name, t, layout in (("q", q, "BTHK"), ("k", k, "BTHK"), ("v", v, "BTHV")):
         check_tensor(name, t, layout=layout)
     check_tensor("g", g)
-    check_tensor("beta", beta, layout="BTH")
+    check_tensor("beta", beta)  # its shape, [B, T, Hv], is checked below
     if initial_state is not None:
         check_tensor("initial_state", initial_state)
     check_same_device(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state)

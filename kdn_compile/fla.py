@@ -13,7 +13,7 @@ What FLA fuses into its kernels runs here as traced PyTorch before one kdn op
 - ``use_qk_l2norm_in_kernel``: ``x / sqrt(sum(x**2) + 1e-6)`` along ``K``, cast
   back to q's dtype (FLA's ``l2norm`` with its ``eps = 1e-6``).
 - ``use_beta_sigmoid_in_kernel``: ``beta = sigmoid(beta)``, times 2 with
-  ``allow_neg_eigval=True`` (beta in ``(0, 2)``).
+  ``allow_neg_eigval=True`` (beta in ``(0, 2)``), kept in float32 as FLA keeps it.
 - ``use_gate_in_kernel``: the natural-log decay ``g = -exp(A_log) * softplus(g + dt_bias)``;
   for KDA with ``lower_bound``, ``g = lower_bound * sigmoid(exp(A_log) * (g + dt_bias))``
   (``lower_bound * sigmoid(g + dt_bias)`` when ``A_log`` is ``None``).
@@ -23,17 +23,21 @@ Arguments that only steer how FLA's kernels tile, save or find their work
 ``chunk_indices``) are validated as FLA validates them and change nothing: the
 math is the same and the kdn ops choose their own tiling. Arguments whose
 non-default value would change the result or the return value and that kdn
-ops do not implement (``gv``, per-value ``beta``, ``return_intermediate_states``,
-``cp_context``, ``use_graph``, ``max_num_seqs``, ``head_first``,
-``transpose_state_layout``, any other keyword) raise ``TypeError`` naming them.
+ops do not implement (``gv``, ``return_intermediate_states``, ``cp_context``,
+``use_graph``, ``max_num_seqs``, ``head_first``, FLA's deprecated
+``transpose_state_layout`` (use ``state_v_first``), the serving keywords of FLA's
+``fused_recurrent_kda_fwd``, any other keyword) raise ``TypeError`` naming them; FLA's
+per-value ``beta [B, T, HV, V]`` raises ``ValueError``.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
-from kdn_compile._checks import check_flag, check_tensor, dims, fail, shown
+from kdn_compile._checks import check_flag, check_float, check_tensor, dims, fail, shown
 from kdn_compile.api import chunk_gdn as _chunk_gdn
 from kdn_compile.api import chunk_kda as _chunk_kda
 from kdn_compile.api import recurrent_delta_rule as _recurrent_delta_rule
@@ -50,9 +54,11 @@ L2NORM_EPS = 1e-6
 
 _KEYWORD_HINTS = {
     "head_first": "inputs are token-major [B, T, H, K]; transpose head-first tensors first",
-    "transpose_state_layout": "use state_v_first",
+    "transpose_state_layout": "FLA's deprecated name of state_v_first: use state_v_first",
     "return_intermediate_states": "the chunk states stay inside the kdn ops; "
                                   "output_final_state gives the last one",
+    **dict.fromkeys(("ssm_state_indices", "num_accepted_tokens", "inplace_final_state"),
+                    "state pools updated in place are kdn_compile.delta_rule_decode's"),
 }
 # Keywords of older FLA releases accepted at the value that asks for what kdn ops do.
 _ACCEPTED = {"head_first": False}
@@ -70,6 +76,26 @@ def _reject(function: str, **unsupported) -> None:
              f"kdn_compile.fla.{function} does not support "
              + ", ".join(f"{name}={shown(value)}" for name, value in unsupported.items())
              + (f" ({hints})" if hints else ""))
+
+
+def _check_gate_shape(name: str, g, q, v, *, per_key: bool) -> None:
+    """``g`` (or ``gk``) of FLA's shape, ``[B, T, HV]`` or, ``per_key``, ``[B, T, HV, K]``,
+    checked before any gate math reads its sizes."""
+    check_tensor("q", q, layout="BTHK")
+    check_tensor("v", v, layout="BTHV")
+    check_tensor(name, g)
+    expected = tuple(v.shape[:3]) + ((q.shape[3],) if per_key else ())
+    if tuple(g.shape) != expected:
+        fail(ValueError, f"{name} must be [B, T, HV{', K' if per_key else ''}] = "
+                         f"{dims(expected)}, got {dims(g.shape)}")
+
+
+def _check_beta_per_head(beta, v) -> None:
+    """FLA's fused recurrent kernels also take a per-value ``beta [B, T, HV, V]``; kdn
+    ops take ``[B, T, HV]`` only."""
+    if isinstance(beta, torch.Tensor) and beta.dim() == 4:
+        fail(ValueError, f"beta must be [B, T, HV] = {dims(v.shape[:3])}: FLA's per-value "
+                         f"beta [B, T, HV, V] is not supported, got {dims(beta.shape)}")
 
 
 def _non_default(**given) -> dict:
@@ -97,8 +123,8 @@ def _prepare_qk_beta(q, k, beta, output_final_state, use_qk_l2norm_in_kernel,
         fail(ValueError, "allow_neg_eigval=True requires use_beta_sigmoid_in_kernel=True")
     if use_qk_l2norm_in_kernel:
         q, k = l2norm(q), l2norm(k)
-    if use_beta_sigmoid_in_kernel:
-        beta = torch.sigmoid(beta)
+    if use_beta_sigmoid_in_kernel:  # float32 beta, as FLA's (float64 for float64 logits)
+        beta = torch.sigmoid(beta.to(work_dtype(beta.dtype)))
         if allow_neg_eigval:
             beta = 2 * beta
     return q, k, beta
@@ -162,9 +188,11 @@ def kda_gate(g: torch.Tensor, A_log: torch.Tensor | None, dt_bias: torch.Tensor 
 
 def _check_gate_args(use_gate_in_kernel, A_log, lower_bound=None, *, kda: bool) -> None:
     check_flag("use_gate_in_kernel", use_gate_in_kernel)
-    if lower_bound is not None and (isinstance(lower_bound, bool)
-                                    or not isinstance(lower_bound, (int, float))):
-        fail(TypeError, f"lower_bound must be a float or None, got {type(lower_bound).__name__}")
+    if lower_bound is not None:
+        check_float("lower_bound", lower_bound)
+        # comparisons, not math.isfinite: under torch.compile the float may be symbolic
+        if not -math.inf < lower_bound < math.inf:
+            fail(ValueError, f"lower_bound must be finite, got {shown(lower_bound)}")
     if use_gate_in_kernel and A_log is None and lower_bound is None:
         fail(ValueError, "A_log must be provided when use_gate_in_kernel=True"
                          + (" and lower_bound is not set" if kda else ""))
@@ -253,13 +281,13 @@ def chunk_gated_delta_rule(
         float64 inputs) when ``output_final_state``, else ``None``.
 
     Raises:
-        TypeError: an argument kdn ops do not implement (``cp_context``, ``head_first``,
-            ``transpose_state_layout``, any other keyword), named; and as
-            :func:`kdn_compile.chunk_gdn`.
+        TypeError: an argument kdn ops do not implement (``cp_context``,
+            ``head_first=True``, ``transpose_state_layout``, any other keyword), named;
+            and as :func:`kdn_compile.chunk_gdn`.
         ValueError: ``allow_neg_eigval`` without ``use_beta_sigmoid_in_kernel``,
-            ``use_gate_in_kernel`` without ``A_log``, ``A_log`` / ``dt_bias`` not of
-            ``HV`` elements, a ``chunk_size`` FLA rejects; and as
-            :func:`kdn_compile.chunk_gdn`.
+            ``use_gate_in_kernel`` without ``A_log``, ``g`` not ``[B, T, HV]``,
+            ``A_log`` / ``dt_bias`` not of ``HV`` elements, a ``chunk_size`` FLA
+            rejects; and as :func:`kdn_compile.chunk_gdn`.
 
     Source: FLA's ``fla/ops/gated_delta_rule/chunk.py`` (fla-core 0.6.0) for the
     arguments and preprocessing; the recurrence of :func:`kdn_compile.chunk_gdn`.
@@ -267,6 +295,7 @@ def chunk_gated_delta_rule(
     _reject("chunk_gated_delta_rule", **kwargs, **_non_default(cp_context=(cp_context, None)))
     _check_chunk_size(chunk_size, (16, 32, 64), "Gated DeltaNet")
     _check_gate_args(use_gate_in_kernel, A_log, kda=False)
+    _check_gate_shape("g", g, q, v, per_key=False)
     q, k, beta = _prepare_qk_beta(q, k, beta, output_final_state, use_qk_l2norm_in_kernel,
                                   use_beta_sigmoid_in_kernel, allow_neg_eigval)
     if use_gate_in_kernel:
@@ -322,7 +351,7 @@ def fused_recurrent_gated_delta_rule(
         TypeError: ``gv`` or another argument kdn ops do not implement, named; and as
             :func:`kdn_compile.recurrent_delta_rule`.
         ValueError: as :func:`chunk_gated_delta_rule`; ``use_gate_in_kernel`` without
-            ``g``; ``beta`` not ``[B, T, HV]``.
+            ``g``; ``gk`` not ``[B, T, HV, K]``; ``beta`` not ``[B, T, HV]``.
 
     Source: FLA's ``fla/ops/gated_delta_rule/fused_recurrent.py`` (fla-core 0.6.0) for
     the arguments and preprocessing; the recurrence of
@@ -333,6 +362,10 @@ def fused_recurrent_gated_delta_rule(
     if use_gate_in_kernel and g is None:
         fail(ValueError, "g (the raw gate input) must be provided when use_gate_in_kernel=True")
     check_tensor("v", v, layout="BTHV")
+    for name, gate, per_key in (("g", g, False), ("gk", gk, True)):
+        if gate is not None:
+            _check_gate_shape(name, gate, q, v, per_key=per_key)
+    _check_beta_per_head(beta, v)
     b, t, hv = v.shape[:3]
     if beta is None:
         beta = v.new_ones(b, t, hv)
@@ -341,7 +374,6 @@ def fused_recurrent_gated_delta_rule(
     if g is not None and use_gate_in_kernel:
         g = gdn_gate(g, A_log, dt_bias)
     if gk is not None:
-        check_tensor("gk", gk)
         g = gk if g is None else gk + g.unsqueeze(-1)
     elif g is None:
         g = v.new_zeros(b, t, hv)
@@ -413,7 +445,8 @@ def chunk_kda(
         TypeError: an argument kdn ops do not implement, named; and as
             :func:`kdn_compile.chunk_kda`.
         ValueError: as :func:`chunk_gated_delta_rule`; ``use_gate_in_kernel`` without
-            ``A_log`` or ``lower_bound``; ``safe_gate`` with a missing or out-of-range
+            ``A_log`` or ``lower_bound``; ``g`` not ``[B, T, HV, K]``; a NaN or infinite
+            ``lower_bound``; ``safe_gate`` with a missing or out-of-range
             ``lower_bound``; ``dt_bias`` not of ``HV * K`` elements.
 
     Source: FLA's ``fla/ops/kda/chunk.py`` and ``fla/ops/kda/gate.py`` (fla-core 0.6.0)
@@ -428,6 +461,7 @@ def chunk_kda(
     _check_chunk_size(chunk_size, (32, 64), "KDA")
     _check_gate_args(use_gate_in_kernel, A_log, lower_bound, kda=True)
     _check_safe_gate(safe_gate, use_gate_in_kernel, lower_bound)
+    _check_gate_shape("g", g, q, v, per_key=True)
     q, k, beta = _prepare_qk_beta(q, k, beta, output_final_state, use_qk_l2norm_in_kernel,
                                   use_beta_sigmoid_in_kernel, allow_neg_eigval)
     if use_gate_in_kernel:
@@ -472,20 +506,19 @@ def fused_recurrent_kda(
         ``(o, final_state)`` as :func:`chunk_gated_delta_rule`.
 
     Raises:
-        TypeError: an argument kdn ops do not implement, named; and as
-            :func:`kdn_compile.recurrent_delta_rule`.
-        ValueError: as :func:`chunk_kda`; ``g`` not ``[B, T, HV, K]``.
+        TypeError: an argument kdn ops do not implement (among them FLA's serving
+            keywords ``ssm_state_indices``, ``num_accepted_tokens``,
+            ``inplace_final_state``: see :func:`kdn_compile.delta_rule_decode`), named;
+            and as :func:`kdn_compile.recurrent_delta_rule`.
+        ValueError: as :func:`chunk_kda`; ``beta`` not ``[B, T, HV]``.
 
     Source: FLA's ``fla/ops/kda/fused_recurrent.py`` (fla-core 0.6.0) for the arguments
     and preprocessing; the recurrence of :func:`kdn_compile.recurrent_delta_rule`.
     """
     _reject("fused_recurrent_kda", **kwargs)
     _check_gate_args(use_gate_in_kernel, A_log, lower_bound, kda=True)
-    check_tensor("g", g)
-    check_tensor("v", v, layout="BTHV")
-    if g.dim() != 4 or g.shape[-1] != q.shape[-1]:
-        fail(ValueError, f"g must be [B, T, HV, K] with K = {shown(q.shape[-1])}, "
-                         f"got {dims(g.shape)}")
+    _check_gate_shape("g", g, q, v, per_key=True)
+    _check_beta_per_head(beta, v)
     q, k, beta = _prepare_qk_beta(q, k, beta, output_final_state, use_qk_l2norm_in_kernel,
                                   use_beta_sigmoid_in_kernel, allow_neg_eigval)
     if use_gate_in_kernel:

@@ -258,7 +258,7 @@ CASES = [
                            use_gate_in_kernel=True, lower_bound=-6.0), VE,
      r"lower_bound must be in \[-5, 0\) with safe_gate=True, got -6.0"),
     ("fla-kda-g", on(fla.fused_recurrent_kda, gdn), VE,
-     r"g must be \[B, T, HV, K\] with K = 4, got \(2, 8, 4\)"),
+     r"g must be \[B, T, HV, K\] = \(2, 8, 4, 4\), got \(2, 8, 4\)"),
     ("fla-q-list", on(fla.chunk_kda, gdn, q=[0.0], use_qk_l2norm_in_kernel=True), TE,
      r"q must be a torch.Tensor, got list"),
     # -- layers: forward ----------------------------------------------------------------------

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kdn_compile import fla
-from tests._helpers import assert_close
+from tests._helpers import assert_close, delta_rule_oracle
 
 B, T, H, HV, K, V = 2, 19, 2, 4, 8, 6
 
@@ -84,6 +84,16 @@ def check(actual, expected, tol=1e-10):
         assert es is None
     else:
         assert_close(s, es, tol, "final_state")
+
+
+ALL = ["chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", "chunk_kda",
+       "fused_recurrent_kda"]
+PER_KEY = {"chunk_kda", "fused_recurrent_kda"}
+
+
+def _positional(fn, x):
+    return (x["q"], x["k"], x["v"], x["g"], x["beta"]) if fn != "fused_recurrent_gated_delta_rule" \
+        else (x["q"], x["k"], x["v"], x["g"], None, None, x["beta"])
 
 
 # ---- preprocessing flags, each function ----------------------------------------------------
@@ -180,6 +190,44 @@ def test_kda_safe_gate_changes_nothing():
           fla.chunk_kda(**x, **kw), tol=1e-12)
 
 
+@pytest.mark.parametrize("fn", ["chunk_gated_delta_rule", "fused_recurrent_kda"])
+@pytest.mark.parametrize("neg", [False, True])
+def test_beta_sigmoid_is_float32_for_half_inputs(fn, neg):
+    """FLA's in-kernel sigmoid gives float32 beta from bfloat16 logits; so does ours: the
+    same result as float32 ``sigmoid(beta)`` (times 2) passed in."""
+    x = {n: a.bfloat16() for n, a in inputs(per_key=fn in PER_KEY, raw=True, t=5).items()}
+    x["g"] = -x["g"].float().abs()
+    beta = torch.sigmoid(x["beta"].float()) * (2 if neg else 1)
+    o, s = getattr(fla, fn)(*_positional(fn, dict(x, beta=beta)), output_final_state=True)
+    o2, s2 = getattr(fla, fn)(*_positional(fn, x), output_final_state=True,
+                              use_beta_sigmoid_in_kernel=True, allow_neg_eigval=neg)
+    assert torch.equal(o, o2) and torch.equal(s, s2)
+
+
+@pytest.mark.parametrize("fn,lower_bound", [(fn, None) for fn in ALL] + [("chunk_kda", -3.0)])
+def test_gradients_through_every_flag_match_the_token_loop(fn, lower_bound):
+    """Every preprocessing flag on: the gradients of q, k, v, the raw g, beta logits,
+    A_log, dt_bias and h0 are those of FLA's formulas (l2norm with eps 1e-6) in float64."""
+    per_key = fn in PER_KEY
+    flags = {"use_qk_l2norm_in_kernel": True, "use_beta_sigmoid_in_kernel": True,
+             "use_gate_in_kernel": True}
+    x = inputs(per_key=per_key, raw=True, t=5)
+    leaves = {**x, **head_params(per_key), "h0": torch.randn(B, HV, K, V, dtype=torch.float64)}
+    leaves = {n: a.clone().requires_grad_() for n, a in leaves.items()}
+    extra = {"lower_bound": lower_bound} if per_key else {}
+    o, s = getattr(fla, fn)(*_positional(fn, leaves), initial_state=leaves["h0"],
+                            output_final_state=True, A_log=leaves["A_log"],
+                            dt_bias=leaves["dt_bias"], **flags, **extra)
+    q, k, g, beta = expected_preprocessing(leaves, flags, leaves, per_key=per_key,
+                                           lower_bound=lower_bound)
+    eo, es = delta_rule_oracle(q, k, leaves["v"], g, beta, initial_state=leaves["h0"])
+    wo, ws = torch.randn_like(eo), torch.randn_like(es)
+    got = torch.autograd.grad((o * wo).sum() + (s * ws).sum(), list(leaves.values()))
+    expected = torch.autograd.grad((eo * wo).sum() + (es * ws).sum(), list(leaves.values()))
+    for name, a, e in zip(leaves, got, expected):
+        assert_close(a, e, 1e-10, name)
+
+
 # ---- fused recurrent GDN's optional gates and beta -----------------------------------------
 
 def test_fused_recurrent_gdn_gk_g_and_missing_beta():
@@ -197,16 +245,6 @@ def test_fused_recurrent_gdn_gk_g_and_missing_beta():
 
 
 # ---- packed sequences, states, layouts, dtypes ---------------------------------------------
-
-ALL = ["chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", "chunk_kda",
-       "fused_recurrent_kda"]
-PER_KEY = {"chunk_kda", "fused_recurrent_kda"}
-
-
-def _positional(fn, x):
-    return (x["q"], x["k"], x["v"], x["g"], x["beta"]) if fn != "fused_recurrent_gated_delta_rule" \
-        else (x["q"], x["k"], x["v"], x["g"], None, None, x["beta"])
-
 
 @pytest.mark.parametrize("fn", ALL)
 def test_cu_seqlens_with_initial_state(fn):
@@ -255,7 +293,8 @@ def test_float32_inputs_give_float32_state_and_outputs_in_v_dtype(fn):
 
 REFUSED = [
     ("chunk_gated_delta_rule", {"head_first": True}, "head_first"),
-    ("chunk_gated_delta_rule", {"transpose_state_layout": True}, "transpose_state_layout"),
+    ("chunk_gated_delta_rule", {"transpose_state_layout": True},
+     "transpose_state_layout=True .*use state_v_first"),
     ("chunk_gated_delta_rule", {"cp_context": object()}, "cp_context"),
     ("chunk_gated_delta_rule", {"some_option": 1}, "some_option"),
     ("fused_recurrent_gated_delta_rule", {"gv": "GV"}, "gv"),
@@ -263,11 +302,13 @@ REFUSED = [
     ("chunk_kda", {"return_intermediate_states": True}, "return_intermediate_states"),
     ("chunk_kda", {"use_graph": True, "max_num_seqs": 4}, "max_num_seqs"),
     ("chunk_kda", {"cp_context": object()}, "cp_context"),
-    ("fused_recurrent_kda", {"ssm_state_indices": "idx"}, "ssm_state_indices"),
+    ("fused_recurrent_kda", {"ssm_state_indices": "idx"},
+     r"ssm_state_indices='idx' \(ssm_state_indices: .*kdn_compile.delta_rule_decode"),
 ]
 
 
-@pytest.mark.parametrize("fn,kwargs,name", REFUSED, ids=[f"{f}-{n}" for f, _, n in REFUSED])
+@pytest.mark.parametrize("fn,kwargs,name", REFUSED,
+                         ids=[f"{f}-{'-'.join(kw)}" for f, kw, _ in REFUSED])
 def test_unsupported_arguments_raise_type_error_naming_them(fn, kwargs, name):
     x = inputs(per_key=fn in PER_KEY)
     if fn == "fused_recurrent_gated_delta_rule":
@@ -306,6 +347,49 @@ def test_invalid_values_raise_value_error(fn, kwargs, name):
     x = inputs(per_key=fn in PER_KEY)
     with pytest.raises(ValueError, match=name):
         getattr(fla, fn)(*_positional(fn, x), **kwargs)
+
+
+def _gk(b=B, hv=HV):
+    return -torch.rand(b, T, hv, K, dtype=torch.float64)
+
+
+# (function, the change to its inputs, the exception, its message): gates and betas of shapes
+# FLA does not take (which broadcast, index or get read as another layout if let through)
+BAD_SHAPES = [
+    ("fused_recurrent_gated_delta_rule", {"gk": _gk(b=1)}, ValueError,
+     r"gk must be \[B, T, HV, K\] = \(2, 19, 4, 8\), got \(1, 19, 4, 8\)"),
+    ("fused_recurrent_gated_delta_rule", {"gk": _gk(hv=H)}, ValueError,
+     r"gk must be \[B, T, HV, K\] = \(2, 19, 4, 8\), got \(2, 19, 2, 8\)"),
+    ("fused_recurrent_gated_delta_rule", {"g": _gk()}, ValueError,
+     r"g must be \[B, T, HV\] = \(2, 19, 4\), got \(2, 19, 4, 8\)"),
+    ("fused_recurrent_gated_delta_rule", {"beta": torch.rand(B, T, HV, V)}, ValueError,
+     r"beta must be \[B, T, HV\] = \(2, 19, 4\): FLA's per-value beta \[B, T, HV, V\] is not "
+     r"supported, got \(2, 19, 4, 6\)"),
+    ("fused_recurrent_kda", {"beta": torch.rand(B, T, HV, V)}, ValueError,
+     r"FLA's per-value beta \[B, T, HV, V\] is not supported"),
+    ("fused_recurrent_kda", {"g": _gk(hv=1), "use_gate_in_kernel": True, "A_log": torch.zeros(1)},
+     ValueError, r"g must be \[B, T, HV, K\] = \(2, 19, 4, 8\), got \(2, 19, 1, 8\)"),
+    ("chunk_kda", {"g": torch.zeros(K), "use_gate_in_kernel": True, "A_log": torch.zeros(HV)},
+     ValueError, r"g must be \[B, T, HV, K\] = \(2, 19, 4, 8\), got \(8,\)"),
+    ("chunk_gated_delta_rule", {"g": None, "use_gate_in_kernel": True, "A_log": torch.zeros(HV)},
+     TypeError, r"g must be a torch.Tensor, got NoneType"),
+    ("chunk_kda", {"use_gate_in_kernel": True, "lower_bound": math.nan}, ValueError,
+     r"lower_bound must be finite, got nan"),
+]
+
+
+@pytest.mark.parametrize("mode", ["eager", "compiled"])
+@pytest.mark.parametrize("fn,change,error,message", BAD_SHAPES,
+                         ids=[f"{c[0]}-{i}" for i, c in enumerate(BAD_SHAPES)])
+def test_gates_and_betas_of_other_shapes_raise_naming_them(fn, change, error, message, mode):
+    x = inputs(per_key=fn in PER_KEY)
+    call = getattr(fla, fn)
+    if mode == "compiled":
+        torch._dynamo.reset()
+        call = torch.compile(call, fullgraph=True, dynamic=True, backend="eager")
+    named = dict(zip(("q", "k", "v"), _positional(fn, x)[:3]), g=x["g"], beta=x["beta"])
+    with pytest.raises(error, match=message):
+        call(**{**named, **change})
 
 
 def test_flags_must_be_bools():
@@ -350,6 +434,30 @@ def test_compiles_fullgraph(fn):
     got = torch.compile(module, fullgraph=True)(*args)
     for a, e in zip(got, expected):
         assert_close(a, e, 1e-5, fn)
+
+
+@pytest.mark.parametrize("fn", ALL)
+def test_compiles_fullgraph_dynamic_with_packed_sequences(fn):
+    """``dynamic=True``: packed sequences of two layouts and lengths through one
+    compiled call, every flag on (KDA with ``lower_bound``, GDN's recurrence with ``gk``);
+    Dynamo and AOT autograd only (Inductor: :func:`test_compiles_fullgraph`)."""
+    torch._dynamo.reset()
+    per_key = fn in PER_KEY
+    params = {n: a.float() for n, a in head_params(per_key).items()}
+    kw = dict(output_final_state=True, use_qk_l2norm_in_kernel=True,
+              use_beta_sigmoid_in_kernel=True, use_gate_in_kernel=True, **params)
+    if per_key:
+        kw["lower_bound"] = -4.0
+    compiled = torch.compile(getattr(fla, fn), fullgraph=True, dynamic=True, backend="aot_eager")
+    for t, cu in ((11, [0, 4, 11]), (14, [0, 1, 1, 14])):
+        x = {n: a.float() for n, a in inputs(per_key=per_key, b=1, t=t, raw=True).items()}
+        args = _positional(fn, x)
+        if fn == "fused_recurrent_gated_delta_rule":
+            args = args[:4] + (-torch.rand(1, t, HV, K),) + args[5:]
+        call = dict(kw, cu_seqlens=torch.tensor(cu),
+                    initial_state=torch.randn(len(cu) - 1, HV, K, V))
+        for a, e in zip(compiled(*args, **call), getattr(fla, fn)(*args, **call)):
+            assert_close(a, e, 1e-5, fn)
 
 
 @pytest.mark.parametrize("fn", ALL)
