@@ -1,13 +1,16 @@
-"""Hugging Face transformers' Qwen3-Next and Kimi Linear models on kdn ops.
+"""Hugging Face transformers' Gated DeltaNet and Kimi Delta Attention models on kdn ops.
 
 :func:`use_kdn` routes the recurrence of every Gated DeltaNet layer of Qwen3-Next
-(``Qwen3NextGatedDeltaNet``) and every Kimi Delta Attention layer of Kimi Linear
-(``KimiLinearDeltaAttention``) through :mod:`kdn_compile.fla`'s drop-ins for FLA.
+(``Qwen3NextGatedDeltaNet``), Qwen3.5 (``Qwen3_5GatedDeltaNet``), Qwen3.5-MoE
+(``Qwen3_5MoeGatedDeltaNet``), Qwen4-Exp (``Qwen4ExpTextGatedDeltaNet``) and Olmo Hybrid
+(``OlmoHybridGatedDeltaNet``), and every Kimi Delta Attention layer of Kimi Linear
+(``KimiLinearDeltaAttention``) and GLM-5.3-Flash (``Glm5NextTextLinearAttention``),
+through :mod:`kdn_compile.fla`'s drop-ins for FLA (the full table: :data:`LAYERS`).
 transformers calls FLA's ``chunk_gated_delta_rule`` / ``fused_recurrent_gated_delta_rule``
 / ``chunk_kda`` / ``fused_recurrent_kda`` when FLA is installed and PyTorch loops
 otherwise; after :func:`use_kdn` these layers call kdn ops instead, in eager mode,
 under ``torch.compile(fullgraph=True)`` and under ``torch.export``. The rest of each
-layer (projections, convolution, gated norm, transformers' cache updates) is
+layer (projections, gates, convolution, gated norm, transformers' cache updates) is
 transformers' own code, unchanged.
 
 Tested with transformers 5.17.0 (the version the ``test`` extra pins).
@@ -75,22 +78,38 @@ def causal_conv1d(hidden_states: torch.Tensor, weight: torch.Tensor,
     return y.to(hidden_states.dtype)
 
 
+_GATED_DELTANET = {
+    "torch_chunk_gated_delta_rule": fla.chunk_gated_delta_rule,
+    "torch_recurrent_gated_delta_rule": fla.fused_recurrent_gated_delta_rule,
+    "causal_conv1d_fn": causal_conv1d,
+}
+_KIMI_DELTA_ATTENTION = {
+    "chunk_kimi_delta_attention": fla.chunk_kda,
+    "recurrent_kimi_delta_attention": fla.fused_recurrent_kda,
+    "causal_conv1d_fn": causal_conv1d,
+}
+
 LAYERS = {
-    ("transformers.models.qwen3_next.modeling_qwen3_next", "Qwen3NextGatedDeltaNet"): {
-        "torch_chunk_gated_delta_rule": fla.chunk_gated_delta_rule,
-        "torch_recurrent_gated_delta_rule": fla.fused_recurrent_gated_delta_rule,
-        "causal_conv1d_fn": causal_conv1d,
-    },
-    ("transformers.models.kimi_linear.modeling_kimi_linear", "KimiLinearDeltaAttention"): {
-        "chunk_kimi_delta_attention": fla.chunk_kda,
-        "recurrent_kimi_delta_attention": fla.fused_recurrent_kda,
-        "causal_conv1d_fn": causal_conv1d,
-    },
+    (f"transformers.models.{model}.modeling_{model}", layer): replacements
+    for model, layer, replacements in (
+        ("qwen3_next", "Qwen3NextGatedDeltaNet", _GATED_DELTANET),
+        ("qwen3_5", "Qwen3_5GatedDeltaNet", _GATED_DELTANET),
+        ("qwen3_5_moe", "Qwen3_5MoeGatedDeltaNet", _GATED_DELTANET),
+        ("qwen4_exp", "Qwen4ExpTextGatedDeltaNet", _GATED_DELTANET),
+        ("olmo_hybrid", "OlmoHybridGatedDeltaNet", _GATED_DELTANET),
+        ("kimi_linear", "KimiLinearDeltaAttention", _KIMI_DELTA_ATTENTION),
+        ("glm5_next", "Glm5NextTextLinearAttention", _KIMI_DELTA_ATTENTION),
+    )
 }
 """The layers :func:`use_kdn` routes: ``(module, class)`` to the functions its
 ``forward`` calls by global name and the function each becomes: the recurrences
 :mod:`kdn_compile.fla`'s, the prefill convolution :func:`causal_conv1d` (packed
-sequences)."""
+sequences). Every listed layer makes its natural-log decay ``g`` and its ``beta`` in its
+own code and passes them with ``use_qk_l2norm_in_kernel=True``: Gated DeltaNet
+``g = -exp(A_log) * softplus(a + dt_bias)`` per value head, ``beta = sigmoid(b)``
+(Olmo Hybrid: ``2 * sigmoid(b)`` with ``linear_allow_neg_eigval``); KDA ``g`` per key
+channel, Kimi Linear's ``-exp(A_log) * softplus(f + dt_bias)``, GLM-5.3-Flash's
+``linear_lower_bound * sigmoid(exp(A_log) * (f + dt_bias))`` when that bound is set."""
 
 _MARK = "__kdn_compile__"
 _forwards: dict[type, types.FunctionType] = {}
@@ -100,7 +119,7 @@ def _taking_own_arguments(function):
     """``function`` called with only the keyword arguments it names, as transformers'
     FLA fallback calls FLA (the layers pass all of their ``**kwargs`` on). A function
     that takes ``cu_seqlens`` and is not given it reads the packed sequences from
-    ``cu_seq_lens_q``, transformers' name for them (Kimi Linear passes only that)."""
+    ``cu_seq_lens_q``, transformers' name for them (the KDA layers pass only that)."""
     names = frozenset(name for name, p in inspect.signature(function).parameters.items()
                       if p.kind is not inspect.Parameter.VAR_KEYWORD)
     packs = "cu_seqlens" in names
@@ -155,26 +174,29 @@ def _kdn_forward(cls: type, replacements: dict) -> types.FunctionType:
 
 
 def use_kdn(model: torch.nn.Module) -> torch.nn.Module:
-    """Route every Qwen3-Next Gated DeltaNet and Kimi Linear KDA layer of ``model``
-    through kdn ops.
+    """Route every Gated DeltaNet and Kimi Delta Attention layer of ``model`` (the
+    classes of :data:`LAYERS`) through kdn ops.
 
     Each such layer's ``forward`` becomes transformers' own ``forward`` calling
     :func:`kdn_compile.fla.chunk_gated_delta_rule` and
-    :func:`~kdn_compile.fla.fused_recurrent_gated_delta_rule` (Qwen3-Next) or
-    :func:`~kdn_compile.fla.chunk_kda` and :func:`~kdn_compile.fla.fused_recurrent_kda`
-    (Kimi Linear) where it would call FLA or its PyTorch fallback: prefill, decoding
+    :func:`~kdn_compile.fla.fused_recurrent_gated_delta_rule` (Gated DeltaNet: Qwen3-Next,
+    Qwen3.5, Qwen3.5-MoE, Qwen4-Exp, Olmo Hybrid) or :func:`~kdn_compile.fla.chunk_kda`
+    and :func:`~kdn_compile.fla.fused_recurrent_kda` (KDA: Kimi Linear, GLM-5.3-Flash)
+    where it would call FLA or its PyTorch fallback: prefill, decoding
     with transformers' cache and packed sequences go through kdn ops. Packed sequences
     arrive as transformers' ``cu_seq_lens_q`` (flash-attention keyword arguments, ``B ==
     1``); the prefill convolution becomes :func:`causal_conv1d`, which keeps each packed
-    sequence to itself, as the recurrence does. Only the matched layer instances change (no global state); other modules
-    and layers, including subclasses of these layers, are left as they are. Calling
-    it again changes nothing. Importing :mod:`kdn_compile` does not import transformers.
+    sequence to itself, as the recurrence does. Only the matched layer instances change
+    (no global state); other modules and layers, including subclasses of these layers,
+    are left as they are. Calling it again changes nothing. Importing
+    :mod:`kdn_compile` does not import transformers.
 
     Tested with transformers 5.17.0.
 
     Args:
-        model (torch.nn.Module): a transformers model (or any module) holding
-            ``Qwen3NextGatedDeltaNet`` or ``KimiLinearDeltaAttention`` layers.
+        model (torch.nn.Module): a transformers model (or any module) holding layers of
+            the classes of :data:`LAYERS` (``Qwen3NextGatedDeltaNet``,
+            ``KimiLinearDeltaAttention``, ...).
 
     Returns:
         torch.nn.Module: ``model`` itself.
