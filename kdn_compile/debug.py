@@ -2,7 +2,8 @@
 
 Off by default (the checks cost a reduction per input); on with
 :func:`set_debug` or by starting Python with the environment variable
-``KDN_DEBUG=1`` (any value but empty, ``0``, ``false``, ``no`` or ``off``, in any case). While on, every public function
+``KDN_DEBUG=1`` (any value but empty, ``0``, ``false``, ``no`` or ``off``, in any
+case). While on, every public function
 (:func:`kdn_compile.chunk_gdn`, :func:`~kdn_compile.chunk_kda`,
 :func:`~kdn_compile.recurrent_delta_rule`, :func:`~kdn_compile.diag_kdn`, the
 decode steps, and the layers, :mod:`kdn_compile.fla` and

@@ -270,11 +270,11 @@ def grad_config(k_dim: int, v_dim: int, dtype: torch.dtype) -> tuple[int, int, i
     :func:`recurrence_config`).
 
     BV 16, 4 warps: the sm_90 cubin (Triton 3.6, bf16, K = V = 128) uses 255 registers
-    and 328 B of local memory a thread (measured on the H200 with the float64 gates and the
-    state-QDQ paths), against 248 B before them and 472 B at BV 32, 880 B at BV 64 and 296-936 B
-    on 8 warps. With half inputs and a head size below 64, Triton 3.6 miscompiles 4 or
-    8 warps on Hopper (wrong ``dk`` at K = 16, 32 and at V = 16, illegal accesses at
-    K, V <= 32), as for FLA's similar WY backward kernel; 2 warps compute them right.
+    and 328 B of local memory a thread (measured on the H200), against 472 B at BV 32,
+    880 B at BV 64 and 296-936 B on 8 warps. With half inputs and a head size below 64,
+    Triton 3.6 miscompiles 4 or 8 warps on Hopper (wrong ``dk`` at K = 16, 32 and at
+    V = 16, illegal accesses at K, V <= 32), as for FLA's similar WY backward kernel;
+    2 warps compute them right.
     """
     half = dtype != torch.float32
     return 16, 1, 2 if half and min(k_dim, v_dim) < 64 else 4

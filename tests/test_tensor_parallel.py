@@ -244,7 +244,7 @@ def test_other_placements_are_refused(two_ranks):
     assert "do not split evenly into 2 shards" in refusals["one head"]
 
 
-def test_chunk_gdn_rule_follows_the_kernel_branch(monkeypatch):
+def test_chunk_gdn_rule_follows_the_kernel_path(monkeypatch):
     """The placements of kdn::chunk_gdn's outputs come from the op's own kernel predicate
     (heads on dim 2 of the saved per-token tensors, dim 1 of the float8 chunk states)."""
     from kdn_compile.ops import gdn, sharding

@@ -160,7 +160,7 @@ def _delta_grads(bound, initial="initial_state", count=5):
 
 def gdn_outputs(bound: dict) -> list:
     """The head dims of ``kdn::chunk_gdn``'s outputs (None: replicated): the saved tensors
-    of its kernel branch too, the float8 chunk states with ``state_qdq`` (placeholders
+    of its kernel path too, the float8 chunk states with ``state_qdq`` (placeholders
     without, and after the reference)."""
     run = gdn._gdn_kernels(*_meta(bound, "q", "k", "v", "g", "beta", "initial_state",
                                   "cu_seqlens"), bound["chunk_size"], bound["state_qdq"],
