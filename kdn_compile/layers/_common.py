@@ -204,7 +204,7 @@ def convolved_qkv(layer: nn.Module, x: torch.Tensor, conv_cache, cu_seqlens, val
     # before the packed convolution gathers rows by cu_seqlens
     check_cu_seqlens(cu_seqlens, x.shape[0], x.device, x.shape[1])
     # Three module calls, not one product on the stacked weights: that was 2% faster in
-    # the compiled front (H200, 2026-12-01) but skipped hooks and adapters on the
+    # the compiled front (H200) but skipped hooks and adapters on the
     # projections (LoRA) and copied the weights on every call (a decode token). The
     # convolution takes them as blocks, never joined: each is head-sharded under
     # tensor parallelism.
