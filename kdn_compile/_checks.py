@@ -90,6 +90,13 @@ def shown(value) -> str:
     return f"a {type(value).__name__}"
 
 
+def type_name(value) -> str:
+    """The type of ``value`` for a message: builtins by name (``list``), others qualified
+    by their module (``numpy.bool``, which a bare name would show as ``bool``)."""
+    kind = type(value)
+    return kind.__name__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__name__}"
+
+
 def listed(names) -> str:
     """Strings as Python prints their sorted list, ``['conv', 'recurrent']``."""
     return "[" + ", ".join(repr(name) for name in sorted(names)) + "]"
@@ -99,7 +106,7 @@ def check_tensor(name: str, t, *, layout: str | None = None, floating: bool = Tr
     """A tensor, of rank ``len(layout)`` when ``layout`` (e.g. ``"BTHK"``) is given, and a
     float dtype when ``floating``."""
     if not isinstance(t, torch.Tensor):
-        fail(TypeError, f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        fail(TypeError, f"{name} must be a torch.Tensor, got {type_name(t)}")
     if layout is not None and t.dim() != len(layout):
         fail(ValueError, f"{name} must have {len(layout)} dims, [{', '.join(layout)}], "
                          f"got shape {dims(t.shape)}")
@@ -330,14 +337,14 @@ def check_slot_values(indices: torch.Tensor, slots: int) -> None:
 
 def check_flag(name: str, value) -> None:
     if not isinstance(value, bool):
-        fail(TypeError, f"{name} must be a bool, got {type(value).__name__}")
+        fail(TypeError, f"{name} must be a bool, got {type_name(value)}")
 
 
 def check_float(name: str, value) -> float:
-    """A Python real number as float (not bool, not a tensor)."""
+    """A finite Python real number as float (not bool, not a tensor)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        fail(TypeError, f"{name} must be a float, got {type(value).__name__}")
-    # not while compiling: dynamo may trace a float as symbolic (math.isfinite breaks it)
-    if isinstance(value, float) and not torch.compiler.is_compiling() and not math.isfinite(value):
-        fail(ValueError, f"{name} must be finite, got {value}")
+        fail(TypeError, f"{name} must be a float, got {type_name(value)}")
+    # comparisons, not math.isfinite: under torch.compile the float may be symbolic
+    if isinstance(value, float) and not -math.inf < value < math.inf:
+        fail(ValueError, f"{name} must be finite, got {shown(value)}")
     return float(value)

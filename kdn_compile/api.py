@@ -33,6 +33,7 @@ from kdn_compile._checks import (
     dims,
     fail,
     shown,
+    type_name,
 )
 from kdn_compile.debug import check_values
 from kdn_compile.ops._dispatch import eager_cuda
@@ -48,8 +49,8 @@ def _scale(scale, q: torch.Tensor) -> float:
     if scale is None:
         return q.shape[-1] ** -0.5
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-        fail(TypeError, f"scale must be a float or None, got {type(scale).__name__}")
-    return check_float("scale", scale)  # finite (eagerly)
+        fail(TypeError, f"scale must be a float or None, got {type_name(scale)}")
+    return check_float("scale", scale)  # finite
 
 
 def _contiguous(cu_seqlens: torch.Tensor | None) -> torch.Tensor | None:
@@ -140,7 +141,7 @@ def chunk_gdn(
             with ``B != 1`` or bad values, ``initial_state`` of the wrong shape,
             a ``chunk_size`` below 1 or not integral, a ``state_qdq_block_v`` that
             is not a positive int, mixed devices, a ``w_quantizer`` result not of
-            ``W``'s shape, a NaN or infinite ``scale`` (checked eagerly).
+            ``W``'s shape, a NaN or infinite ``scale``.
         TypeError: a tensor argument that is not a tensor (an ``initial_state`` given
             as a list, say), non-float inputs, mixed q/k/v dtypes, non-integer
             ``cu_seqlens``, a non-numeric ``chunk_size``, non-bool flags, a ``scale``
@@ -369,7 +370,7 @@ def diag_kdn(
     Raises:
         ValueError, TypeError: on inconsistent shapes, dtypes or devices, as
             :func:`chunk_gdn`; ValueError for a NaN or infinite ``scale`` or
-            ``info_scale`` (checked eagerly).
+            ``info_scale``.
         RuntimeError: in debug mode, an input that is not finite or outside its domain.
 
     Source: the Diagonal KDN specification (:mod:`kdn_compile.reference.kdn`).
