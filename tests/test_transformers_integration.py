@@ -9,6 +9,7 @@ import copy
 import functools
 import importlib
 import inspect
+import io
 import subprocess
 import sys
 
@@ -158,6 +159,18 @@ def test_a_forward_set_on_the_instance_is_kept_or_refused():
     ids = tokens(length=9)
     with torch.no_grad():
         torch.testing.assert_close(kdn(ids).logits, model(ids).logits, **TOLERANCE["cpu"])
+
+
+def test_routes_again_after_torch_load():
+    """Pickled, a routed layer's forward comes back as transformers' own: use_kdn routes it."""
+    _, kdn = build("qwen3_next")
+    buffer = io.BytesIO()
+    torch.save(kdn, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    layer = linear_layers(loaded, "qwen3_next")[0]
+    assert not getattr(layer.forward, "__kdn_compile__", False)
+    assert getattr(use_kdn(loaded) and layer.forward, "__kdn_compile__", False)
 
 
 def test_no_such_layer_is_an_error():

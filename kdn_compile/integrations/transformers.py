@@ -188,8 +188,9 @@ def use_kdn(model: torch.nn.Module) -> torch.nn.Module:
     1``); the prefill convolution becomes :func:`causal_conv1d`, which keeps each packed
     sequence to itself, as the recurrence does. Only the matched layer instances change
     (no global state); other modules and layers, including subclasses of these layers,
-    are left as they are. Calling it again changes nothing. Importing
-    :mod:`kdn_compile` does not import transformers.
+    are left as they are. Calling it again changes nothing. A whole model saved with
+    ``torch.save`` loads with transformers' own ``forward``: call it again after
+    ``torch.load``. Importing :mod:`kdn_compile` does not import transformers.
 
     Tested with transformers 5.17.0.
 
@@ -231,7 +232,9 @@ def use_kdn(model: torch.nn.Module) -> torch.nn.Module:
     todo = []
     for path, layer in layers:
         current = layer.__dict__.get("forward")
-        if current is None:
+        # the class's own forward: what unpickling a routed layer sets (pickle stores the
+        # bound method as getattr(layer, "forward"), read before the instance's dict is back)
+        if current is None or getattr(current, "__func__", None) is type(layer).forward:
             todo.append(layer)
         elif not _routed(current):
             raise RuntimeError(
