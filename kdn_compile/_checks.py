@@ -87,7 +87,7 @@ def shown(value) -> str:
         return str(operator.index(value))
     if isinstance(value, torch.Tensor):
         return f"a {value.dtype} tensor of shape {dims(value.shape)}"
-    return f"a {type(value).__name__}"
+    return f"a {type_name(value)}"
 
 
 def type_name(value) -> str:

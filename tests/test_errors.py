@@ -168,6 +168,10 @@ CASES = [
      r"got \(2, 4, 4, 4\)"),
     ("gdn-w-none", on(chunk_gdn, gdn, w_quantizer=lambda w: None), TE,
      r"w_quantizer must return a float tensor, got NoneType"),
+    ("gdn-w-detached", on(chunk_gdn, lambda: delta_inputs(B=2, T=8, Hk=2, Hv=4, K=4, V=3,
+                                                          requires_grad=True),
+                          w_quantizer=torch.Tensor.detach), VE,
+     r"w_quantizer must keep W's gradient: W requires grad, its result does not"),
     # -- chunk_kda, recurrent_delta_rule ----------------------------------------------------
     ("kda-g-scalar", on(chunk_kda, gdn), VE,
      r"g must have shape \(2, 8, 4, 4\), got \(2, 8, 4\)"),
