@@ -87,7 +87,14 @@ def shown(value) -> str:
         return str(operator.index(value))
     if isinstance(value, torch.Tensor):
         return f"a {value.dtype} tensor of shape {dims(value.shape)}"
-    return f"a {type(value).__name__}"
+    return f"a {type_name(value)}"
+
+
+def type_name(value) -> str:
+    """The type of ``value`` for a message: builtins by name (``list``), others qualified
+    by their module (``numpy.bool``, which a bare name would show as ``bool``)."""
+    kind = type(value)
+    return kind.__name__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__name__}"
 
 
 def listed(names) -> str:
@@ -99,7 +106,7 @@ def check_tensor(name: str, t, *, layout: str | None = None, floating: bool = Tr
     """A tensor, of rank ``len(layout)`` when ``layout`` (e.g. ``"BTHK"``) is given, and a
     float dtype when ``floating``."""
     if not isinstance(t, torch.Tensor):
-        fail(TypeError, f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        fail(TypeError, f"{name} must be a torch.Tensor, got {type_name(t)}")
     if layout is not None and t.dim() != len(layout):
         fail(ValueError, f"{name} must have {len(layout)} dims, [{', '.join(layout)}], "
                          f"got shape {dims(t.shape)}")
@@ -300,44 +307,48 @@ def check_pool(name: str, pool, layout: str, row_shape: tuple, dtypes: tuple, de
     return pool.shape[0]
 
 
-def check_slot_indices(indices, batch, slots, device) -> None:
-    """``state_indices [B]`` int32/int64 on ``device`` (shape, dtype, device; the values are
-    checked by the ops: :func:`check_slot_values`, or in the decode kernels)."""
+def check_slot_indices(indices, batch, slots, device, name: str = "state_indices") -> None:
+    """``name [B]`` (the slot indices) int32/int64 on ``device`` (shape, dtype, device; the
+    values are checked by the ops: :func:`check_slot_values`, or in the decode kernels)."""
     if not isinstance(indices, torch.Tensor):
-        fail(TypeError, f"state_indices must be a torch.Tensor, got {type(indices).__name__}")
+        fail(TypeError, f"{name} must be a torch.Tensor, got {type_name(indices)}")
     if indices.dtype not in (torch.int32, torch.int64):
-        fail(TypeError, f"state_indices must be int32 or int64, got {indices.dtype}")
+        fail(TypeError, f"{name} must be int32 or int64, got {indices.dtype}")
     if tuple(indices.shape) != (batch,):
-        fail(ValueError, f"state_indices must be [B] = {dims((batch,))}, "
-                         f"got {dims(indices.shape)}")
+        fail(ValueError, f"{name} must be [B] = {dims((batch,))}, got {dims(indices.shape)}")
     if indices.device != device:
-        fail(ValueError, f"state_indices is on {indices.device} but q is on {device}")
+        fail(ValueError, f"{name} is on {indices.device} but q is on {device}")
 
 
-SLOT_ERROR = "state_indices must be < the pool's slots S and must not repeat a non-negative slot"
+def slot_error(name: str) -> str:
+    """The message of a bad slot index value in the argument ``name``."""
+    return f"{name} must be < the pool's slots S and must not repeat a non-negative slot"
 
 
-def check_slot_values(indices: torch.Tensor, slots: int) -> None:
+SLOT_ERROR = slot_error("state_indices")
+
+
+def check_slot_values(indices: torch.Tensor, slots: int, name: str = "state_indices") -> None:
     """On the device, no host sync: every index ``< slots`` and no non-negative index
     repeated (``torch._assert_async``: a device-side assert on CUDA, a RuntimeError on the
-    CPU, both with :data:`SLOT_ERROR`)."""
+    CPU, both with :func:`slot_error` of ``name``, :data:`SLOT_ERROR` by default)."""
     if indices.device.type == "meta":
         return
     ordered = indices.sort().values
     repeated = (ordered[1:] == ordered[:-1]) & (ordered[1:] >= 0)
-    torch._assert_async(~repeated.any() & (ordered[-1:] < slots).all(), SLOT_ERROR)
+    torch._assert_async(~repeated.any() & (ordered[-1:] < slots).all(), slot_error(name))
 
 
 def check_flag(name: str, value) -> None:
     if not isinstance(value, bool):
-        fail(TypeError, f"{name} must be a bool, got {type(value).__name__}")
+        fail(TypeError, f"{name} must be a bool, got {type_name(value)}")
 
 
 def check_float(name: str, value) -> float:
-    """A Python real number as float (not bool, not a tensor)."""
+    """A finite Python real number as float (not bool, not a tensor)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        fail(TypeError, f"{name} must be a float, got {type(value).__name__}")
-    # not while compiling: dynamo may trace a float as symbolic (math.isfinite breaks it)
-    if isinstance(value, float) and not torch.compiler.is_compiling() and not math.isfinite(value):
-        fail(ValueError, f"{name} must be finite, got {value}")
+        fail(TypeError, f"{name} must be a float, got {type_name(value)}")
+    # comparisons, not math.isfinite: under torch.compile the float may be symbolic
+    if isinstance(value, float) and not -math.inf < value < math.inf:
+        fail(ValueError, f"{name} must be finite, got {shown(value)}")
     return float(value)

@@ -33,6 +33,7 @@ from kdn_compile._checks import (
     dims,
     fail,
     shown,
+    type_name,
 )
 from kdn_compile.debug import check_values
 from kdn_compile.ops._dispatch import eager_cuda
@@ -48,8 +49,8 @@ def _scale(scale, q: torch.Tensor) -> float:
     if scale is None:
         return q.shape[-1] ** -0.5
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-        fail(TypeError, f"scale must be a float or None, got {type(scale).__name__}")
-    return check_float("scale", scale)  # finite (eagerly)
+        fail(TypeError, f"scale must be a float or None, got {type_name(scale)}")
+    return check_float("scale", scale)  # finite
 
 
 def _contiguous(cu_seqlens: torch.Tensor | None) -> torch.Tensor | None:
@@ -58,13 +59,20 @@ def _contiguous(cu_seqlens: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def _check_w(w, expected: torch.Tensor) -> None:
-    """``w_quantizer`` must hand back a float tensor of ``W``'s shape and device."""
+    """``w_quantizer`` must hand back a float tensor of ``W``'s shape and device, and
+    keep ``W``'s gradient (a detached result would silently drop every gradient that
+    flows through ``W``)."""
     if not isinstance(w, torch.Tensor) or not w.is_floating_point():
-        fail(TypeError, f"w_quantizer must return a float tensor, got {type(w).__name__}"
+        fail(TypeError, f"w_quantizer must return a float tensor, got {type_name(w)}"
                         + (f" of {w.dtype}" if isinstance(w, torch.Tensor) else ""))
     if w.shape != expected.shape or w.device != expected.device:
         fail(ValueError, f"w_quantizer must return W's shape {dims(expected.shape)} = "
                          f"[B, T, Hv, K] on {expected.device}, got {dims(w.shape)} on {w.device}")
+    if expected.requires_grad and not w.requires_grad:
+        fail(ValueError, "w_quantizer must keep W's gradient: W requires grad, its result does "
+                         "not (detached, or made under torch.no_grad); pass the gradient "
+                         "through, e.g. w + (qdq(w) - w).detach() as "
+                         "kdn_compile.quantization.fp8_row_qdq does")
 
 
 def _block_v(block_v, name: str = "state_qdq_block_v") -> int:
@@ -140,7 +148,8 @@ def chunk_gdn(
             with ``B != 1`` or bad values, ``initial_state`` of the wrong shape,
             a ``chunk_size`` below 1 or not integral, a ``state_qdq_block_v`` that
             is not a positive int, mixed devices, a ``w_quantizer`` result not of
-            ``W``'s shape, a NaN or infinite ``scale`` (checked eagerly).
+            ``W``'s shape, a ``w_quantizer`` result that does not require grad where
+            ``W`` does (a detached one), a NaN or infinite ``scale``.
         TypeError: a tensor argument that is not a tensor (an ``initial_state`` given
             as a list, say), non-float inputs, mixed q/k/v dtypes, non-integer
             ``cu_seqlens``, a non-numeric ``chunk_size``, non-bool flags, a ``scale``
@@ -369,7 +378,7 @@ def diag_kdn(
     Raises:
         ValueError, TypeError: on inconsistent shapes, dtypes or devices, as
             :func:`chunk_gdn`; ValueError for a NaN or infinite ``scale`` or
-            ``info_scale`` (checked eagerly).
+            ``info_scale``.
         RuntimeError: in debug mode, an input that is not finite or outside its domain.
 
     Source: the Diagonal KDN specification (:mod:`kdn_compile.reference.kdn`).

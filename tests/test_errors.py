@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import traceback
 
+import numpy
 import pytest
 import torch
 
@@ -148,6 +149,8 @@ CASES = [
      r"state_qdq_block_v must be a positive int, got 0"),
     ("gdn-scale-str", on(chunk_gdn, gdn, scale="1"), TE,
      r"scale must be a float or None, got str"),
+    ("gdn-scale-nan", on(chunk_gdn, gdn, scale=float("nan")), VE,
+     r"scale must be finite, got nan"),
     ("gdn-flag", on(chunk_gdn, gdn, state_qdq="yes"), TE,
      r"state_qdq must be a bool, got str"),
     ("gdn-cu-batch", on(chunk_gdn, gdn, cu_seqlens=torch.tensor([0, 8])), VE,
@@ -165,6 +168,10 @@ CASES = [
      r"got \(2, 4, 4, 4\)"),
     ("gdn-w-none", on(chunk_gdn, gdn, w_quantizer=lambda w: None), TE,
      r"w_quantizer must return a float tensor, got NoneType"),
+    ("gdn-w-detached", on(chunk_gdn, lambda: delta_inputs(B=2, T=8, Hk=2, Hv=4, K=4, V=3,
+                                                          requires_grad=True),
+                          w_quantizer=torch.Tensor.detach), VE,
+     r"w_quantizer must keep W's gradient: W requires grad, its result does not"),
     # -- chunk_kda, recurrent_delta_rule ----------------------------------------------------
     ("kda-g-scalar", on(chunk_kda, gdn), VE,
      r"g must have shape \(2, 8, 4, 4\), got \(2, 8, 4\)"),
@@ -259,6 +266,10 @@ CASES = [
      r"lower_bound must be in \[-5, 0\) with safe_gate=True, got -6.0"),
     ("fla-kda-g", on(fla.fused_recurrent_kda, gdn), VE,
      r"g must be \[B, T, HV, K\] = \(2, 8, 4, 4\), got \(2, 8, 4\)"),
+    ("fla-scale-inf", on(fla.fused_recurrent_kda, gdn, g=zeros(2, 8, 4, 4), scale=-float("inf")),
+     VE, r"scale must be finite, got -inf"),
+    ("fla-flag-numpy", on(fla.chunk_gated_delta_rule, gdn, output_final_state=numpy.bool_(True)),
+     TE, r"output_final_state must be a bool, got numpy\.(bool|ndarray)"),
     ("fla-q-list", on(fla.chunk_kda, gdn, q=[0.0], use_qk_l2norm_in_kernel=True), TE,
      r"q must be a torch.Tensor, got list"),
     # -- layers: forward ----------------------------------------------------------------------

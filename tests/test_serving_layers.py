@@ -273,6 +273,33 @@ def test_bad_arguments_are_rejected_by_name(name):
         layer.step(x[0], cache, idx)
     with pytest.raises(TypeError, match="slots must be a 1-d int tensor"):
         layer.reset_cache(cache, [0.5])
+    with pytest.raises(RuntimeError, match="slots must be < the pool's slots S"):
+        layer.reset_cache(cache, [3])
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_empty_steps_and_resets_change_nothing(name):
+    """No tokens (``T == 0``), no rows, and an empty list of slots to reset."""
+    layer = make_layer(name)
+    cache = layer.allocate_cache(3, state_dtype=torch.float64)
+    before = clone(cache)
+    with torch.no_grad():
+        assert layer.step(inputs(2, 0), cache, torch.tensor([0, 2])).shape == (2, 0, D)
+        assert layer.step(inputs(0, 1), cache, torch.tensor([], dtype=torch.long)).shape == (0, 1, D)
+    layer.reset_cache(cache, [])
+    for key in cache:
+        assert torch.equal(cache[key], before[key]), key
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_decode_kernels_name_an_out_of_range_slot(name):
+    """On the kernel path the decode op checks the slots; the layer's own reads of the pools
+    before it (the convolution windows) must not fault first with an indexing error."""
+    layer, x = make_layer(name, torch.float32), inputs(2, 1, torch.float32)
+    cache = layer.allocate_cache(3)
+    with torch.no_grad(), kdn_compile.use_backend("triton"):
+        with pytest.raises(RuntimeError, match="state_indices must be < the pool's slots S"):
+            layer.step(x, cache, torch.tensor([0, 3]))
 
 
 def test_kdn_has_no_float8_pool():

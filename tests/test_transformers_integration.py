@@ -6,8 +6,10 @@ fullgraph=True, and export. On CPU the kdn ops run their references; with CUDA t
 tests run again on the Triton kernels."""
 
 import copy
+import functools
 import importlib
 import inspect
+import io
 import subprocess
 import sys
 
@@ -132,6 +134,43 @@ def test_routes_only_linear_layers_and_is_idempotent(name):
     assert use_kdn(kdn) is kdn
     assert [m.forward for m in patched] == forwards
     assert not [m for m in model.modules() if "forward" in m.__dict__]
+
+
+def test_a_forward_set_on_the_instance_is_kept_or_refused():
+    """A layer whose instance already has its own ``forward`` (hooks such as accelerate's
+    set one: a ``functools.partial`` wrapping the old one): use_kdn under it is left as it
+    is; anything else is refused, naming the layer, rather than dropped."""
+    def hook(model):
+        layer = linear_layers(model, "qwen3_next")[0]
+        inner = layer.forward
+        hooked = functools.partial(lambda module, *args, **kwargs: inner(*args, **kwargs), layer)
+        layer.forward = functools.update_wrapper(hooked, inner)
+        return layer
+
+    model, kdn = build("qwen3_next")
+    hooked = hook(kdn).forward
+    hook(model)
+    assert use_kdn(kdn) is kdn and linear_layers(kdn, "qwen3_next")[0].forward is hooked
+    with pytest.raises(RuntimeError, match=r"use_kdn cannot route model\.layers\.0\.linear_attn "
+                                           r"\(Qwen3NextGatedDeltaNet\): its instance has its "
+                                           r"own forward, a functools\.partial"):
+        use_kdn(model)
+    assert not [m for m in model.modules() if getattr(m.forward, "__kdn_compile__", False)]
+    ids = tokens(length=9)
+    with torch.no_grad():
+        torch.testing.assert_close(kdn(ids).logits, model(ids).logits, **TOLERANCE["cpu"])
+
+
+def test_routes_again_after_torch_load():
+    """Pickled, a routed layer's forward comes back as transformers' own: use_kdn routes it."""
+    _, kdn = build("qwen3_next")
+    buffer = io.BytesIO()
+    torch.save(kdn, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    layer = linear_layers(loaded, "qwen3_next")[0]
+    assert not getattr(layer.forward, "__kdn_compile__", False)
+    assert getattr(use_kdn(loaded) and layer.forward, "__kdn_compile__", False)
 
 
 def test_no_such_layer_is_an_error():

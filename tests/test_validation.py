@@ -27,7 +27,7 @@ def test_cu_seqlens_values_are_checked():
 
 
 def test_scales_must_be_finite():
-    """Checked eagerly only: under torch.compile a float may be symbolic."""
+    """Eagerly here; compiled, the scale cases of test_errors.py."""
     x = delta_inputs(T=4, K=4, V=3)
     with pytest.raises(ValueError, match=r"scale must be finite, got nan"):
         kdn_compile.chunk_gdn(**x, scale=float("nan"))

@@ -188,8 +188,9 @@ def use_kdn(model: torch.nn.Module) -> torch.nn.Module:
     1``); the prefill convolution becomes :func:`causal_conv1d`, which keeps each packed
     sequence to itself, as the recurrence does. Only the matched layer instances change
     (no global state); other modules and layers, including subclasses of these layers,
-    are left as they are. Calling it again changes nothing. Importing
-    :mod:`kdn_compile` does not import transformers.
+    are left as they are. Calling it again changes nothing. A whole model saved with
+    ``torch.save`` loads with transformers' own ``forward``: call it again after
+    ``torch.load``. Importing :mod:`kdn_compile` does not import transformers.
 
     Tested with transformers 5.17.0.
 
@@ -204,7 +205,9 @@ def use_kdn(model: torch.nn.Module) -> torch.nn.Module:
     Raises:
         ValueError: ``model`` holds none of these layers.
         RuntimeError: the installed transformers' layer no longer calls the functions
-            named in :data:`LAYERS`.
+            named in :data:`LAYERS`; a layer's instance already has a ``forward`` of its
+            own that is not (and does not wrap) :func:`use_kdn`'s, such as accelerate's
+            hooks set (nothing is changed then).
 
     Example::
 
@@ -221,18 +224,33 @@ def use_kdn(model: torch.nn.Module) -> torch.nn.Module:
         cls = getattr(module, class_name, None) if module is not None else None
         if cls is not None:
             classes[cls] = replacements
-    found = 0
-    for layer in model.modules():
-        replacements = classes.get(type(layer))
-        if replacements is None:
-            continue
-        found += 1
-        current = layer.__dict__.get("forward")
-        if current is not None and getattr(current.__func__, _MARK, False):
-            continue
-        layer.forward = types.MethodType(_kdn_forward(type(layer), replacements), layer)
-    if not found:
+    layers = [(path, layer) for path, layer in model.named_modules() if type(layer) in classes]
+    if not layers:
         searched = ", ".join(f"{m}.{c}" for m, c in LAYERS)
         raise ValueError(f"use_kdn found no layer to route in {type(model).__name__}: it looks "
                          f"for {searched}")
+    todo = []
+    for path, layer in layers:
+        current = layer.__dict__.get("forward")
+        # the class's own forward: what unpickling a routed layer sets (pickle stores the
+        # bound method as getattr(layer, "forward"), read before the instance's dict is back)
+        if current is None or getattr(current, "__func__", None) is type(layer).forward:
+            todo.append(layer)
+        elif not _routed(current):
+            raise RuntimeError(
+                f"use_kdn cannot route {path} ({type(layer).__name__}): its instance has its "
+                f"own forward, a {type(current).__module__}.{type(current).__qualname__}, "
+                "which routing would drop (hooks such as accelerate's set one): call use_kdn "
+                "before adding them")
+    for layer in todo:
+        layer.forward = types.MethodType(_kdn_forward(type(layer), classes[type(layer)]), layer)
     return model
+
+
+def _routed(forward) -> bool:
+    """Whether an instance's own ``forward`` is :func:`use_kdn`'s or wraps it
+    (``__wrapped__`` chains, as ``functools.update_wrapper`` sets)."""
+    def marked(f):
+        return getattr(getattr(f, "__func__", None), _MARK, False)
+
+    return marked(inspect.unwrap(forward, stop=marked))

@@ -165,8 +165,8 @@ class SlotCache:
 
         Args:
             cache: the dict of :meth:`allocate_cache`.
-            slots: slot numbers, an int tensor or a list of ints (distinct, ``< S``);
-                negative ones are skipped.
+            slots: slot numbers, an int tensor or a list of ints (distinct, ``< S``;
+                possibly none); negative ones are skipped.
 
         Raises:
             TypeError, ValueError: ``cache`` not such a dict; ``slots`` not ints
@@ -174,12 +174,14 @@ class SlotCache:
         """
         device = next(iter(cache.values())).device if isinstance(cache, dict) and cache else None
         count = self._check_cache(cache, device)
-        indices = torch.as_tensor(slots, device=device)
+        # an empty list has no ints to infer the dtype from (as_tensor: float32)
+        empty = isinstance(slots, (list, tuple)) and not slots
+        indices = torch.as_tensor(slots, device=device, dtype=torch.long if empty else None)
         if indices.dtype not in (torch.int32, torch.int64) or indices.dim() != 1:
             fail(TypeError, f"slots must be a 1-d int tensor or a list of ints, got "
                             f"{indices.dtype} of shape {dims(indices.shape)}")
-        check_slot_indices(indices, indices.shape[0], count, device)
-        check_slot_values(indices, count)
+        check_slot_indices(indices, indices.shape[0], count, device, name="slots")
+        check_slot_values(indices, count, name="slots")
         fresh = self._fresh_rows(cache[self._state_key].dtype, device)
         with torch.no_grad():
             for name, row in fresh.items():
@@ -211,7 +213,8 @@ class SlotCache:
 
         Returns:
             ``y [B, T, D]`` in ``x``'s dtype; zeros on the tokens of padding rows, whose
-            slots (and every slot not named) are neither read nor written.
+            slots (and every slot not named) are neither read nor written. With no
+            tokens (``T == 0``) or no rows the pools keep their values.
 
         Raises:
             ValueError, TypeError: naming the argument: ``x`` not ``[B, T, D]``;
@@ -226,7 +229,8 @@ class SlotCache:
         rows = num_sequences(x.shape[0], cu_seqlens)
         check_slot_indices(state_indices, rows, slots, x.device)
         state_indices = state_indices.contiguous()  # the kernels index it as a dense vector
-        decode = cu_seqlens is None and x.shape[1] <= MAX_DECODE_TOKENS
+        # no tokens: the prefill path, whose ops take T == 0 (the decode ops need T >= 1)
+        decode = cu_seqlens is None and 1 <= x.shape[1] <= MAX_DECODE_TOKENS
         # The decode kernels check the values themselves (an assert after the step, since the
         # device runs ahead of the host); elsewhere check them before any pool is written.
         if not decode or not prefer_kernels(x.device.type):

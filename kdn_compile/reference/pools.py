@@ -32,8 +32,11 @@ POOL_BLOCK_V = 64
 
 
 def gather_slots(pool: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-    """``pool[indices]`` with padding rows (negative indices) reading slot 0."""
-    return pool[indices.clamp_min(0).long()]
+    """``pool[indices]`` with padding rows (negative indices) reading slot 0, and indices
+    past the pool its last slot: a read never faults, so that an out-of-range index is
+    reported by the check of the op that owns the indices (:func:`check_slot_values`, or
+    the decode kernels' assert), with its message."""
+    return pool[indices.clamp(0, pool.shape[0] - 1).long()]
 
 
 def scatter_slots(pool: torch.Tensor, indices: torch.Tensor, rows: torch.Tensor) -> None:
