@@ -10,11 +10,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def python_blocks(path: Path) -> list[str]:
+    """The ```python blocks of a markdown file."""
+    found = re.findall(r"```python\n(.*?)```", path.read_text(), re.S)
+    assert found, f"no python block in {path}"
+    return found
+
+
 def python_block(path: Path) -> str:
     """The first ```python block of a markdown file."""
-    found = re.search(r"```python\n(.*?)```", path.read_text(), re.S)
-    assert found, f"no python block in {path}"
-    return found[1]
+    return python_blocks(path)[0]
 
 
 def test_quickstart_runs_and_matches_the_readme():
@@ -33,3 +38,15 @@ def test_serving_example_runs():
                           timeout=600, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.startswith("torch.Size([2, 1, 64]) 0.0"), done.stdout
+
+
+def test_from_fla_examples_run_and_agree():
+    """The FLA-style call and the port to kdn_compile's own function give the same result."""
+    blocks = python_blocks(ROOT / "docs" / "from_fla.md")
+    check = ("\nfla_o, fla_state = o, final_state\n" + blocks[-1]
+             + "\nimport torch\ntorch.testing.assert_close(o, fla_o)"
+             + "\ntorch.testing.assert_close(final_state, fla_state)\nprint('same')\n")
+    done = subprocess.run([sys.executable, "-c", blocks[0] + check], capture_output=True,
+                          text=True, timeout=600, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout == "same\n", done.stdout
