@@ -13,7 +13,8 @@ and the received (:class:`~kdn_compile.ArgumentValueError`,
 (see :doc:`/capture`). Gradients are first order: a backward through the gradients
 (``create_graph=True``, then ``backward``) raises ``NotImplementedError`` naming the op;
 the references in :mod:`kdn_compile.reference` are plain PyTorch and differentiate to
-any order.
+any order. Under ``torch.autocast`` the ops take their inputs' dtypes as given and compute
+as they do outside it.
 """
 
 from __future__ import annotations

@@ -298,3 +298,25 @@ def test_compile_with_permuted_inputs_matches_eager():
     for a, b in zip(compiled(x["q"], x["k"], vt, x["g"], x["beta"]),
                     fn(x["q"], x["k"], vt, x["g"], x["beta"])):
         assert_close(a, b, 1e-12, "permuted v")
+
+
+@pytest.mark.parametrize("name", ["chunk_kda", "diag_kdn"])
+def test_autocast_leaves_the_ops_alone(name):
+    """Under autocast the ops compute as outside it: same values and gradients (nothing
+    inside them autocasts to bfloat16, whose CPU triangular solve does not exist)."""
+    if name == "chunk_kda":
+        x = delta_inputs(B=1, T=10, Hk=1, Hv=1, K=4, V=3, per_key=True, dtype=torch.float32,
+                         requires_grad=True)
+        run = lambda: kdn_compile.chunk_kda(**x, chunk_size=4)  # noqa: E731
+    else:
+        x = kdn_inputs(B=1, T=10, H=1, K=4, V=3, dtype=torch.float32, requires_grad=True)
+        run = lambda: kdn_compile.diag_kdn(**x, scale=0.5, info_scale=0.8, chunk_size=4)  # noqa: E731
+    expected = run()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = run()
+    for a, b in zip(got, expected):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    leaves = list(x.values())
+    grads = torch.autograd.grad(sum(o.sum() for o in got), leaves)
+    for a, b in zip(grads, torch.autograd.grad(sum(o.sum() for o in expected), leaves)):
+        assert torch.equal(a, b)
