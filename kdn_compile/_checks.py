@@ -352,3 +352,18 @@ def check_float(name: str, value) -> float:
     if isinstance(value, float) and not -math.inf < value < math.inf:
         fail(ValueError, f"{name} must be finite, got {shown(value)}")
     return float(value)
+
+
+def check_no_tangents(function: str, **tensors) -> None:
+    """Refuse forward-mode AD (a dual tensor of :mod:`torch.autograd.forward_ad`, or an input
+    of ``torch.func.jvp``): the ops have no forward derivative, and PyTorch would drop the
+    tangent silently (the output a constant). Eager only; ``None`` entries are skipped."""
+    if torch.compiler.is_compiling():
+        return
+    unpack = torch.autograd.forward_ad.unpack_dual
+    for name, t in tensors.items():
+        if isinstance(t, torch.Tensor) and unpack(t).tangent is not None:
+            raise NotImplementedError(
+                f"kdn_compile.{function} has no forward-mode AD, got a tangent on {name} "
+                "(forward_ad dual tensor or torch.func.jvp): use backward mode, or the "
+                "plain-PyTorch references in kdn_compile.reference (same arguments)")

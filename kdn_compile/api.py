@@ -11,7 +11,8 @@ Bad arguments raise ``ValueError`` / ``TypeError`` naming the argument, the expe
 and the received (:class:`~kdn_compile.ArgumentValueError`,
 :class:`~kdn_compile.ArgumentTypeError`), eagerly and out of ``torch.compile`` alike
 (see :doc:`/capture`). Gradients are first order: a backward through the gradients
-(``create_graph=True``, then ``backward``) raises ``NotImplementedError`` naming the op;
+(``create_graph=True``, then ``backward``) raises ``NotImplementedError`` naming the op,
+and so does forward-mode AD (``torch.func.jvp``), whose tangent PyTorch would drop;
 the references in :mod:`kdn_compile.reference` are plain PyTorch and differentiate to
 any order. Under ``torch.autocast`` the ops take their inputs' dtypes as given and compute
 as they do outside it.
@@ -28,6 +29,7 @@ from kdn_compile._backend import prefer_kernels
 from kdn_compile._checks import (
     check_delta_inputs,
     check_flag,
+    check_no_tangents,
     check_float,
     check_kdn_inputs,
     check_tensor,
@@ -158,7 +160,8 @@ def chunk_gdn(
             result that is not a float tensor.
         RuntimeError: in debug mode, a non-finite input (a gate of ``-inf`` aside) or a
             gate above 0 (on CUDA a device-side assert, see :mod:`kdn_compile.debug`).
-        NotImplementedError: at a backward through the gradients (double backward).
+        NotImplementedError: at a backward through the gradients (double backward), or
+            given a forward-mode AD tangent (``torch.func.jvp``, a dual tensor).
 
     Source: the chunked WY form of the gated delta rule (Yang et al., Gated Delta
     Networks, 2024), as specified by :func:`kdn_compile.reference.chunk_gdn_reference`.
@@ -180,6 +183,7 @@ def chunk_gdn(
     check_flag("state_qdq", state_qdq)
     check_values("chunk_gdn", resets=True, q=q, k=k, v=v, g=g, beta=beta,
                  initial_state=initial_state)
+    check_no_tangents("chunk_gdn", q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state)
     scale, block_v, chunk_size = _scale(scale, q), _block_v(state_qdq_block_v), int(chunk_size)
     cu_seqlens = _contiguous(cu_seqlens)
     kernels = prefer_kernels(q.device.type)
@@ -254,6 +258,7 @@ def chunk_kda(
     )
     check_flag("state_v_first", state_v_first)
     check_values("chunk_kda", q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state)
+    check_no_tangents("chunk_kda", q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state)
     cu_seqlens = _contiguous(cu_seqlens)
     op = _ops.chunk_kda if prefer_kernels(q.device.type) else _ops.chunk_kda_reference
     # kdn::chunk_kda appends the tensors its backward reuses: not for the caller.
@@ -313,6 +318,8 @@ def recurrent_delta_rule(
     check_flag("state_v_first", state_v_first)
     check_values("recurrent_delta_rule", resets=True, q=q, k=k, v=v, g=g, beta=beta,
                  initial_state=initial_state)
+    check_no_tangents("recurrent_delta_rule", q=q, k=k, v=v, g=g, beta=beta,
+                      initial_state=initial_state)
     op = (_ops.recurrent_delta_rule if prefer_kernels(q.device.type)
           else _ops.recurrent_delta_rule_reference)
     tensors = (q, k, v, g, beta, initial_state)
@@ -391,6 +398,8 @@ def diag_kdn(
     scale, info_scale = check_float("scale", scale), check_float("info_scale", info_scale)
     check_values("diag_kdn", q=q, k=k, v=v, log_alpha=log_alpha, omega=omega, r=r,
                  memory=memory, precision=precision)
+    check_no_tangents("diag_kdn", q=q, k=k, v=v, log_alpha=log_alpha, omega=omega, r=r,
+                      memory=memory, precision=precision)
     op = _ops.diag_kdn if prefer_kernels(q.device.type) else _ops.diag_kdn_reference
     # kdn::diag_kdn appends the tensors its backward reuses: not for the caller.
     output, memory, precision, *_ = op(
@@ -417,6 +426,7 @@ def state_fp8_qdq(state: torch.Tensor, block_v: int = 64) -> torch.Tensor:
     Source: :func:`kdn_compile.reference.state_fp8_qdq_reference`.
     """
     check_tensor("state", state)
+    check_no_tangents("state_fp8_qdq", state=state)
     if state.dim() < 2:
         fail(ValueError, f"state must be [..., K, V], got shape {dims(state.shape)}")
     op = _ops.state_fp8_qdq if prefer_kernels(state.device.type) else _ops.state_fp8_qdq_reference

@@ -376,6 +376,23 @@ def test_double_backward_names_the_op(name, call, sizes, backend):
         sum(g.square().sum() for g in grads if g is not None).backward()
 
 
+@pytest.mark.parametrize("name,call,sizes,backend", DOUBLE_BACKWARD[:1] + DOUBLE_BACKWARD[2:],
+                         ids=[d[0] for d in DOUBLE_BACKWARD[:1] + DOUBLE_BACKWARD[2:]])
+def test_forward_mode_ad_is_refused(name, call, sizes, backend):
+    """A tangent (torch.func.jvp, forward_ad) raises NotImplementedError naming the
+    function and the argument, where PyTorch would drop it and return the output as a
+    constant (a zero tangent)."""
+    x = delta_inputs(**sizes)
+    key, shown = ("initial_state", "state") if name == "state_fp8_qdq" else ("v", "v")
+
+    def run(tensor):
+        return call(dict(x, **{key: tensor}))[0]
+
+    message = rf"kdn_compile.{name} has no forward-mode AD, got a tangent on {shown} "
+    with pytest.raises(NotImplementedError, match=message):
+        torch.func.jvp(run, (x[key],), (torch.ones_like(x[key]),))
+
+
 def test_double_backward_of_diag_kdn_names_the_op():
     x = kdn_inputs(B=1, T=6, H=1, K=4, V=3, requires_grad=True)
     (dv,) = torch.autograd.grad(
