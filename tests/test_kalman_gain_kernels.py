@@ -236,6 +236,25 @@ def test_diag_kdn_op_kernel_path_matches_reference(varlen, monkeypatch):
         assert_close(ours[name].grad, theirs[name].grad, 2e-5, f"grad {name}")
 
 
+def test_diag_kdn_op_kernel_path_empty_sequence():
+    """T = 0 with the memory through its reference math (a chunk size the memory kernels do
+    not take): the states pass through, their gradients are one."""
+    import kdn_compile
+    from _helpers import kdn_inputs
+
+    x = {n: t.detach().to(DEVICE, torch.float32).requires_grad_()
+         for n, t in kdn_inputs(B=1, T=0, H=1, K=16, V=8).items()}
+    with kdn_compile.use_backend("triton"):
+        out = kdn_compile.diag_kdn(**x, scale=0.5, info_scale=0.8, chunk_size=8)
+    torch.testing.assert_close(out[1], x["memory"])
+    torch.testing.assert_close(out[2], x["precision"])  # through 1 / p: rounding
+    grads = torch.autograd.grad(out[1].sum() + out[2].sum(), list(x.values()))
+    for (name, t), grad in zip(x.items(), grads):
+        assert grad.shape == t.shape
+        if name in ("memory", "precision"):
+            torch.testing.assert_close(grad, torch.ones_like(t))
+
+
 _TRACE_SCRIPT = """
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx

@@ -211,7 +211,10 @@ def _diag_kdn_backward(inputs, grads, saved):
                       for x in (q, k, v, log_alpha, gain, memory)]
             output, memory_out = _memory(*leaves, cu_seqlens, inputs["scale"],
                                          inputs["chunk_size"])
-            found = torch.autograd.grad((output, memory_out), leaves, (doutput, dmemory),
+            # an empty sequence (T = 0) gives an output that depends on nothing
+            pairs = [(o, g) for o, g in ((output, doutput), (memory_out, dmemory))
+                     if o.requires_grad]
+            found = torch.autograd.grad([o for o, _ in pairs], leaves, [g for _, g in pairs],
                                         allow_unused=True)
         dq, dk, dv, dlog_alpha, dgain, dmemory0 = (
             torch.zeros_like(x) if g is None else g for x, g in zip(leaves, found))
