@@ -205,6 +205,17 @@ def test_diag_kdn_reference_validates_like_the_delta_rule_references():
         ref.diag_kdn_reference(**x, scale=1.0, info_scale=1.0)
 
 
+def test_integral_float_chunk_size_is_taken_as_int():
+    """``chunk_size=4.0`` passes the argument checks; the two-key references chunk by it as
+    by ``4`` (GDN's did already)."""
+    x = delta_inputs(B=1, T=9, Hk=1, Hv=1, K=4, V=3, per_key=True)
+    assert torch.equal(ref.chunk_kda_reference(**x, chunk_size=4.0)[0],
+                       ref.chunk_kda_reference(**x, chunk_size=4)[0])
+    y = kdn_inputs(B=1, T=9, H=1, K=4, V=3)
+    assert torch.equal(ref.diag_kdn_reference(**y, scale=0.5, info_scale=0.8, chunk_size=4.0)[0],
+                       ref.diag_kdn_reference(**y, scale=0.5, info_scale=0.8, chunk_size=4)[0])
+
+
 def test_mask_padding_leaves_state_untouched():
     x = kdn_inputs(B=2, T=12)
     mask = torch.ones(2, 12, dtype=torch.bool)

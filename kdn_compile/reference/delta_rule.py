@@ -397,6 +397,7 @@ def two_key_chunk_recurrence(q, k, w, v, log_decay, state, *, scale, chunk_size)
     Shared by KDA (``w = beta k``) and Diag-KDN (``w`` = Kalman gain).
     """
     outputs = []
+    chunk_size = int(chunk_size)  # an integral float (64.0) passes the argument checks
     for start in range(0, q.shape[2], chunk_size):
         chunk = slice(start, start + chunk_size)
         qc, kc, wc, vc = (t[:, :, chunk] for t in (q, k, w, v))
