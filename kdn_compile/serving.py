@@ -22,7 +22,9 @@ import torch
 import kdn_compile.ops  # noqa: F401  (registers torch.ops.kdn)
 from kdn_compile._backend import prefer_kernels
 from kdn_compile._checks import check_delta_inputs, check_float, check_flag, check_kdn_inputs
-from kdn_compile._checks import check_pool, check_slot_indices, dims, fail, shown
+from kdn_compile._checks import (
+    check_no_tangents, check_pool, check_slot_indices, dims, fail, shown,
+)
 from kdn_compile.debug import check_values
 from kdn_compile.ops._dispatch import eager_cuda
 from kdn_compile.ops.decode import delta_rule_decode_body, diag_kdn_decode_body
@@ -149,6 +151,7 @@ def delta_rule_decode(
                    (t,) + state_shape, allowed, q.device, slots=b)
     check_slot_indices(state_indices, b, slots, q.device)
     check_values("delta_rule_decode", resets=True, q=q, k=k, v=v, g=g, beta=beta)
+    check_no_tangents("delta_rule_decode", q=q, k=k, v=v, g=g, beta=beta)
     op = _ops.delta_rule_decode if prefer_kernels(q.device.type) else _ops.delta_rule_decode_reference
     if op is _ops.delta_rule_decode and eager_cuda(q):
         op = delta_rule_decode_body  # the op's own body, without the dispatcher
@@ -221,6 +224,7 @@ def diag_kdn_decode(
     check_slot_indices(state_indices, b, slots, q.device)
     scale, info_scale = check_float("scale", scale), check_float("info_scale", info_scale)
     check_values("diag_kdn_decode", q=q, k=k, v=v, log_alpha=log_alpha, omega=omega, r=r)
+    check_no_tangents("diag_kdn_decode", q=q, k=k, v=v, log_alpha=log_alpha, omega=omega, r=r)
     op = _ops.diag_kdn_decode if prefer_kernels(q.device.type) else _ops.diag_kdn_decode_reference
     if op is _ops.diag_kdn_decode and eager_cuda(q):
         op = diag_kdn_decode_body  # the op's own body, without the dispatcher

@@ -393,6 +393,18 @@ def test_forward_mode_ad_is_refused(name, call, sizes, backend):
         torch.func.jvp(run, (x[key],), (torch.ones_like(x[key]),))
 
 
+def test_forward_mode_ad_is_refused_by_the_decode_step():
+    x = delta_inputs(**SMALL)
+    pool = torch.zeros(2, 1, 4, 3, dtype=torch.float64)
+
+    def run(v):
+        return delta_rule_decode(x["q"], x["k"], v, x["g"], x["beta"], pool, torch.tensor([1]))
+
+    with pytest.raises(NotImplementedError, match=r"kdn_compile.delta_rule_decode has no "
+                                                  r"forward-mode AD, got a tangent on v "):
+        torch.func.jvp(run, (x["v"],), (torch.ones_like(x["v"]),))
+
+
 def test_double_backward_of_diag_kdn_names_the_op():
     x = kdn_inputs(B=1, T=6, H=1, K=4, V=3, requires_grad=True)
     (dv,) = torch.autograd.grad(
