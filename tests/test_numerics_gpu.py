@@ -1,6 +1,6 @@
 """On CUDA: GDN's kernels with hard resets against float64, their local memory, Diag-KDN's
-kernels at extreme noise against float64, and debug mode's device-side asserts. Skipped
-without CUDA.
+kernels at extreme noise against float64, debug mode's device-side asserts, and the kernel
+ops under autocast. Skipped without CUDA.
 
 The CPU suite checks the same numerics in the Triton interpreter at small sizes
 (``test_numerics.py``) and debug mode's messages on the CPU (``test_debug_mode.py``).
@@ -161,3 +161,32 @@ def test_debug_mode_device_assert(mode):
     assert "device-side assert" in output or "Assertion" in output, output[-3000:]
     if mode == "compiled":
         assert "chunk_gdn: g must be <= 0 and not NaN" in output, output[-3000:]
+
+
+@pytest.mark.parametrize("name", ["chunk_gdn", "chunk_kda", "diag_kdn"])
+def test_kernels_under_autocast_compute_as_outside(name):
+    """autocast(cuda, bfloat16) leaves the kernel ops alone: bfloat16 q, k, v with float32
+    gates give the outputs and gradients (and dtypes) of outside it, eager and compiled."""
+    from _helpers import delta_inputs, kdn_inputs
+
+    if name == "diag_kdn":
+        x = kdn_inputs(B=1, T=130, H=2, K=64, V=64)
+        call = lambda **t: kdn_compile.diag_kdn(**t, scale=0.125, info_scale=0.8)  # noqa: E731
+    else:
+        x = delta_inputs(B=1, T=130, Hk=2, Hv=2, K=64, V=64, per_key=name == "chunk_kda")
+        call = getattr(kdn_compile, name)
+    half = ("q", "k", "v")
+    x = {n: t.to("cuda", torch.bfloat16 if n in half else torch.float32).requires_grad_()
+         for n, t in x.items()}
+    compiled = torch.compile(call, fullgraph=True)
+    for run in (call, compiled):
+        expected = run(**x)
+        expected_grads = torch.autograd.grad(sum(o.float().sum() for o in expected),
+                                             list(x.values()))
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            got = run(**x)
+        grads = torch.autograd.grad(sum(o.float().sum() for o in got), list(x.values()))
+        for a, b in zip((*got, *grads), (*expected, *expected_grads)):
+            assert a.dtype == b.dtype
+            # loose: the kernels' atomics may reorder sums; autocast inside would be far off
+            torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=1e-3)
