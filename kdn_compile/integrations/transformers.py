@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from kdn_compile import fla
+from kdn_compile._checks import type_name
 
 __all__ = ["use_kdn", "LAYERS", "causal_conv1d"]
 
@@ -239,7 +240,7 @@ def use_kdn(model: torch.nn.Module) -> torch.nn.Module:
         elif not _routed(current):
             raise RuntimeError(
                 f"use_kdn cannot route {path} ({type(layer).__name__}): its instance has its "
-                f"own forward, a {type(current).__module__}.{type(current).__qualname__}, "
+                f"own forward, a {type_name(current)}, "
                 "which routing would drop (hooks such as accelerate's set one): call use_kdn "
                 "before adding them")
     for layer in todo:

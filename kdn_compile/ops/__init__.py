@@ -3,10 +3,9 @@
 import torch.distributed
 
 from kdn_compile.ops import decode, fp8, gdn, gdn_wy, kda, kdn, recurrent, slots  # noqa: F401
+from kdn_compile.ops._autocast import outside_autocast
 
 if torch.distributed.is_available():  # context parallelism's collectives, DTensor rules
     from kdn_compile.ops import exchange, sharding  # noqa: F401
 
-from kdn_compile.ops._autocast import outside_autocast  # noqa: E402
-
-outside_autocast()
+outside_autocast()  # after every op above is registered

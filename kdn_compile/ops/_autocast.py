@@ -11,12 +11,13 @@ autocast alike.
 
 from __future__ import annotations
 
+import functools
+import operator
+
 import torch
 
-_KEYS = ("AutocastCPU", "AutocastCUDA")
-_EXCLUDED = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU) | torch._C.DispatchKeySet(
-    torch._C.DispatchKey.AutocastCUDA
-)
+_KEYS = (torch._C.DispatchKey.AutocastCPU, torch._C.DispatchKey.AutocastCUDA)
+_EXCLUDED = functools.reduce(operator.or_, map(torch._C.DispatchKeySet, _KEYS))
 _LIB = torch.library.Library("kdn", "IMPL")  # noqa: TOR901 (kept for the process)
 
 
@@ -28,8 +29,8 @@ def _register(name: str) -> None:
             return op(*args, **kwargs)
 
     for key in _KEYS:
-        op.py_impl(getattr(torch._C.DispatchKey, key))(run)  # the Python dispatcher (tracing)
-        _LIB.impl(name, lambda _keys, *args, **kwargs: run(*args, **kwargs), key,
+        op.py_impl(key)(run)  # the Python dispatcher (tracing)
+        _LIB.impl(name, lambda _keys, *args, **kwargs: run(*args, **kwargs), key.name,
                   with_keyset=True)
 
 
