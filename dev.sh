@@ -5,6 +5,9 @@
 #   ./dev.sh test [pytest..]  run the test suite (installs transformers for its integration tests)
 #   ./dev.sh docs             build the Sphinx docs with warnings as errors
 #   ./dev.sh check            capture report of the public functions on this device
+#   ./dev.sh gpu [TIER] [pytest..]  the GPU tests on a CUDA machine: TIER is smoke (the
+#                             default), full, or one full-tier group: kernels, capture,
+#                             distributed, models (tests/conftest.py; docs/testing.md)
 #
 # Set-up: a virtual environment in .venv, made by the interpreter that starts
 # ./dev.sh (`python3`, or $PYTHON). Where that interpreter already has torch >= 2.11
@@ -76,12 +79,47 @@ setup() {
     fi
 }
 
+# The GPU tiers run with the interpreter that has torch with CUDA (python3, or $PYTHON) and
+# install nothing: GPU machines are often offline. The checkout is put on PYTHONPATH, so the
+# package need not be installed. Tests spread over worker processes (pytest-xdist, where
+# installed): Triton and Inductor compile in each in parallel, sharing their caches.
+gpu() {
+    local tier=${1:-smoke}
+    [ $# -gt 0 ] && shift
+    local select
+    case "$tier" in
+        smoke) select="gpu and not slow" ;;
+        full) select="gpu" ;;
+        kernels|capture|distributed|models) select="gpu and $tier" ;;
+        *) echo "dev.sh gpu: unknown tier '$tier' (smoke, full, kernels, capture, distributed, models)" >&2
+           exit 2 ;;
+    esac
+    local python=${PYTHON:-python3}
+    if ! "$python" -c 'import sys, torch; sys.exit(not torch.cuda.is_available())' 2>/dev/null; then
+        echo "dev.sh gpu: $python has no torch with a CUDA device" >&2
+        exit 2
+    fi
+    export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+    export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/kdn-triton-cache}
+    export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/kdn-inductor-cache}
+    local parallel=()
+    if "$python" -c 'import xdist' 2>/dev/null; then
+        local workers
+        workers=$("$python" -c 'import os; print(max(1, min(12, (os.cpu_count() or 2) - 2)))')
+        # one compile thread per worker: the workers already use the cores
+        export TORCHINDUCTOR_COMPILE_THREADS=${TORCHINDUCTOR_COMPILE_THREADS:-1}
+        parallel=(-n "$workers" --dist loadgroup)
+    fi
+    exec "$python" -m pytest tests -m "$select" -p no:cacheprovider "${parallel[@]}" "$@"
+}
+
 task=${1:-}
 [ $# -gt 0 ] && shift
 case "$task" in
     demo)  setup; exec kdn-compile demo "$@" ;;
     check) setup; exec kdn-compile check "$@" ;;
     test)  setup; install_missing "${TEST_PINS[@]}"; exec python -m pytest tests "$@" ;;
+    gpu)   gpu "$@" ;;
     docs)  setup; exec python -m sphinx -W --keep-going -b html docs docs/_build/html "$@" ;;
-    *)     sed -n '2,8p' "$0"; exit 2 ;;
+    *)     sed -n '2,10p' "$0"; exit 2 ;;
 esac

@@ -9,6 +9,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+# Tier markers (registered in conftest.py): ``gpu`` runs on CUDA only; ``kernels`` runs the
+# Triton kernels on CUDA, or in Triton's interpreter without CUDA; ``slow``: full tier only.
+gpu = pytest.mark.gpu
+slow = pytest.mark.slow
+
+
+def kernels(test):
+    """Mark ``test`` as running our Triton kernels: on CUDA (a GPU tier test) or, without
+    CUDA, in Triton's interpreter."""
+    return pytest.mark.interpreter(pytest.mark.gpu(test))
+
 
 def rel_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """Relative RMS error ``||a - e|| / max(||e||, tiny)`` in float64."""

@@ -8,12 +8,12 @@ import torch
 import torch.nn.functional as F
 
 import kdn_compile
-from _helpers import assert_close
+from _helpers import assert_close, slow
 from kdn_compile import reference as ref
 from kdn_compile.reference.fp8 import dequantize_state_fp8, quantize_state_fp8
 from kdn_compile.reference.pools import diag_kdn_decode_reference
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytestmark = pytest.mark.gpu
 
 FP8 = torch.float8_e4m3fn
 POISON = float("nan")
@@ -47,7 +47,7 @@ def _start_pool(S, Hv, K, V, pool_dtype, seed, state_v_first):
     return pool, scales, state
 
 
-@pytest.mark.parametrize("T", [1, 2, 3, 4, 5, 6, 7, 8])
+@pytest.mark.parametrize("T", [1, *(pytest.param(t, marks=slow) for t in range(2, 8)), 8])
 @pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16, FP8],
                          ids=["f32", "bf16", "fp8"])
 @pytest.mark.parametrize("per_key", [False, True], ids=["gdn", "kda"])

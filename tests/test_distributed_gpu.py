@@ -26,7 +26,7 @@ import kdn_compile
 import kdn_compile.distributed as kd
 from kdn_compile.layers import DiagKDN, GatedDeltaNet, KimiDeltaAttention
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytestmark = pytest.mark.gpu
 
 KDN_OPTIONS = dict(scale=64 ** -0.5, info_scale=0.7)
 # T = 512: an empty sequence, sequences across the boundaries of 2 and 4 ranks (256;
@@ -86,7 +86,8 @@ def one_rank_group():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("packed", [False, True], ids=["fixed", "packed"])
+@pytest.mark.parametrize("packed", [pytest.param(False, marks=pytest.mark.slow), True],
+                         ids=["fixed", "packed"])
 @pytest.mark.parametrize("family", ["gdn", "kda", "kdn"])
 def test_one_rank_equals_the_plain_function(one_rank_group, family, packed, dtype):
     x = _inputs(family, packed, dtype)
@@ -111,6 +112,7 @@ def test_one_rank_compiles_fullgraph(one_rank_group, family):
         assert_close(found[name], grad, 1e-5, f"d{name}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("packed", [False, True], ids=["fixed", "packed"])
 @pytest.mark.parametrize("world", [2, 4])
@@ -158,7 +160,9 @@ def _head_sharded(x: dict, mesh) -> dict:
             for n, t in x.items()}
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("dtype", [torch.float32,
+                                   pytest.param(torch.bfloat16, marks=pytest.mark.slow)],
+                         ids=["f32", "bf16"])
 @pytest.mark.parametrize("family", ["gdn", "kda", "kdn"])
 def test_kernel_ops_on_head_sharded_dtensors(one_rank_group, family, dtype):
     from torch.distributed.device_mesh import init_device_mesh
@@ -177,6 +181,7 @@ def test_kernel_ops_on_head_sharded_dtensors(one_rank_group, family, dtype):
         assert_close(got[name].full_tensor(), grad, ONE_RANK[dtype], f"d{name}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cls", [GatedDeltaNet, KimiDeltaAttention, DiagKDN])
 def test_tensor_parallel_layer_compiles_fullgraph(one_rank_group, cls):
     import copy

@@ -11,7 +11,7 @@ import kdn_compile
 from _helpers import delta_inputs, kdn_inputs
 from kdn_compile.layers import GatedDeltaNet, KimiDeltaAttention
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytestmark = pytest.mark.gpu
 
 
 def _cuda(x, dtype=torch.bfloat16):
@@ -39,6 +39,7 @@ def test_layer_state_of_another_layer_type_on_cuda():
         kda(x, state)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["chunk_gdn", "chunk_kda", "diag_kdn"])
 def test_double_backward_of_the_kernels_names_the_op(name):
     if name == "diag_kdn":

@@ -477,7 +477,7 @@ def test_l2norm_eps_is_fla_s():
 
 # ---- the Triton kernels (CUDA) --------------------------------------------------------------
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 @pytest.mark.parametrize("fn", ALL)
 def test_cuda_kernels_match_the_token_loop_and_fla(fn):
     """Head size 64 (the kernels' path), packed sequences and initial states, float32 on

@@ -26,11 +26,10 @@ from kdn_compile.lowering.kalman_gain import (  # noqa: E402
 )
 from kdn_compile.reference import diag_kdn_recurrent, kalman_gain  # noqa: E402
 
-from _helpers import assert_close  # noqa: E402
+from _helpers import assert_close, gpu, kernels  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 INFO_SCALE = 0.7
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
 def gain_inputs(B, T, H, K, *, N=None, seed=0, log_alpha_min=-3.0, r_min=0.01):
@@ -94,11 +93,13 @@ def check(x64, cu_seqlens=None, *, k_dtype=torch.float32, with_dprecision=True, 
         assert_close(grad, ref_grad, grad_tol, name)
 
 
+@kernels
 @pytest.mark.parametrize("B,T,H", [(2, 1, 2), (2, 63, 1), (1, 100, 1)], ids=lambda v: str(v))
 def test_fixed_length_matches_reference(B, T, H):
     check(gain_inputs(B, T, H, 16, seed=T))
 
 
+@kernels
 def test_gains_stored_in_a_half_dtype():
     """``gain_dtype``: the float32 gains rounded once as they are stored (the Diag-KDN
     op keeps bfloat16 gains for bfloat16 inputs); the other outputs unchanged."""
@@ -111,15 +112,18 @@ def test_gains_stored_in_a_half_dtype():
         assert torch.equal(a, b)
 
 
+@kernels
 def test_varlen_matches_reference():
     cu_seqlens = torch.tensor([0, 1, 40, 40, 63], dtype=torch.int32)
     check(gain_inputs(1, 63, 1, 16, N=4, seed=3), cu_seqlens)
 
 
+@kernels
 def test_without_final_precision_gradient():
     check(gain_inputs(1, 40, 1, 16, seed=4), with_dprecision=False)
 
 
+@kernels
 def test_gates_at_extremes():
     """log_alpha down to -60 (alpha^2 underflows to 0 in float32) and r at its floor 0.01."""
     x = list(gain_inputs(1, 63, 1, 16, seed=5, log_alpha_min=-60.0, r_min=0.01))
@@ -127,6 +131,7 @@ def test_gates_at_extremes():
     check(x, tol=1e-4)
 
 
+@kernels
 def test_backward_adds_given_gradients_of_k_and_log_alpha():
     """``dk_add``, ``dlog_alpha_add`` (the memory's, in Diag-KDN) are added by the last
     kernel as it stores: the same sums as adding afterwards, in the dtypes of k and
@@ -153,6 +158,7 @@ def test_backward_adds_given_gradients_of_k_and_log_alpha():
                         dk_add=dk_add, dlog_alpha_add=dla_add[:, :5])
 
 
+@kernels
 def test_final_precision_matches_token_loop():
     k, log_alpha, omega, r, precision = gain_inputs(2, 45, 1, 16, seed=6)
     q, v = torch.zeros_like(k), torch.zeros(2, 45, 1, 4, dtype=torch.float64)
@@ -165,6 +171,7 @@ def test_final_precision_matches_token_loop():
     assert_close(final.cpu(), ref_final, 2e-5, "final precision vs diag_kdn_recurrent")
 
 
+@kernels
 def test_every_output_element_is_written(monkeypatch):
     """Outputs allocated full of NaN must come back finite and right."""
     real_empty, real_empty_like = torch.empty, torch.empty_like
@@ -191,13 +198,13 @@ def test_supports():
     assert not kalman_gain_kernel_supports(*big)
 
 
-@needs_cuda
+@gpu
 @pytest.mark.parametrize("T", [1000, 4099])
 def test_cuda_bf16_keys_long(T):
     check(gain_inputs(2, T, 3, 128, seed=T), k_dtype=torch.bfloat16, tol=1e-4)
 
 
-@needs_cuda
+@gpu
 def test_cuda_varlen_k128():
     cu_seqlens = torch.tensor([0, 1, 40, 40, 333, 1000], dtype=torch.int32)
     check(gain_inputs(1, 1000, 3, 128, N=5, seed=8), cu_seqlens, tol=1e-4)
@@ -206,6 +213,7 @@ def test_cuda_varlen_k128():
 # -- the kdn::diag_kdn op on its gain-kernel path -------------------------------------------
 
 
+@kernels
 @pytest.mark.parametrize("varlen", [False, True], ids=["fixed", "varlen"])
 def test_diag_kdn_op_kernel_path_matches_reference(varlen, monkeypatch):
     """Eager ``kdn::diag_kdn`` (gain kernels + memory math) and all 8 gradients vs float64."""
@@ -236,6 +244,7 @@ def test_diag_kdn_op_kernel_path_matches_reference(varlen, monkeypatch):
         assert_close(ours[name].grad, theirs[name].grad, 2e-5, f"grad {name}")
 
 
+@kernels
 def test_diag_kdn_op_kernel_path_empty_sequence():
     """T = 0 with the memory through its reference math (a chunk size the memory kernels do
     not take): the states pass through, their gradients are one."""

@@ -17,12 +17,13 @@ import textwrap
 import pytest
 import torch
 import torch.nn.functional as F
+import triton
 
 import kdn_compile
 from _helpers import assert_close
 from kdn_compile import reference as ref
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytestmark = pytest.mark.gpu
 
 GRADS = ("q", "k", "v", "g", "beta", "initial_state")
 
@@ -45,13 +46,13 @@ def _reset_inputs(B, T, H, K, V, seed):
     }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 1e-2)],
                          ids=["fp32", "bf16"])
-def test_gdn_kernels_hard_resets_against_float64(dtype, tol):
+def test_gdn_kernels_hard_resets_against_float64(dtype, tol, seed):
     """B=2, T=512, H=4, K=V=128: outputs, final state and every gradient within ``tol`` of the
     float64 reference; ``dg`` zero below the floor."""
     torch.backends.cuda.matmul.allow_tf32 = False
-    seed = int.from_bytes(os.urandom(4), "little")
     x = {n: t.cuda() for n, t in _reset_inputs(2, 512, 4, 128, 128, seed).items()}
     gen = torch.Generator().manual_seed(seed + 1)
     do = torch.randn(x["v"].shape, generator=gen, dtype=torch.float64).cuda()
@@ -74,6 +75,9 @@ def test_gdn_kernels_hard_resets_against_float64(dtype, tol):
     assert (leaves["g"].grad[x["g"] < ref.GDN_GATE_FLOOR] == 0).all()
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(not triton.__version__.startswith("3.6."),
+                    reason="the bound is the local memory Triton 3.6 gives this kernel")
 def test_gdn_grad_kernel_local_memory():
     """The backward's grad kernel stays within the 328 B of local memory a thread documented in
     ``grad_config`` (bf16, K = V = 128, sm_90); the message lists every GDN kernel's
@@ -106,6 +110,7 @@ def test_gdn_grad_kernel_local_memory():
 KDN_NAMES = ("q", "k", "v", "log_alpha", "omega", "r", "memory", "precision")
 
 
+@pytest.mark.slow
 def test_diag_kdn_kernels_extreme_noise_against_float64():
     """B=2, T=512, H=4, K=V=128, float32, the gain and memory kernels: a tiny ``r`` on one
     head, subnormal ``r`` at a few tokens, a huge ``omega`` with a tiny ``r`` on another; the
@@ -149,6 +154,7 @@ _DEBUG_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["eager", "compiled"])
 def test_debug_mode_device_assert(mode):
     """With KDN_DEBUG=1 a positive gate fails the process with a device-side assert (no host
@@ -163,6 +169,7 @@ def test_debug_mode_device_assert(mode):
         assert "chunk_gdn: g must be <= 0 and not NaN" in output, output[-3000:]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["chunk_gdn", "chunk_kda", "diag_kdn"])
 def test_kernels_under_autocast_compute_as_outside(name):
     """autocast(cuda, bfloat16) leaves the kernel ops alone: bfloat16 q, k, v with float32

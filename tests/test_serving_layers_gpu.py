@@ -13,7 +13,7 @@ import torch
 from _helpers import assert_close
 from kdn_compile.layers import DiagKDN, GatedDeltaNet, KimiDeltaAttention
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytestmark = pytest.mark.gpu
 
 D = 64
 LAYERS = {
@@ -35,6 +35,7 @@ def _pool_dtypes(name):
     return [torch.float32, torch.bfloat16] + ([torch.float8_e4m3fn] if name != "kdn" else [])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(LAYERS))
 def test_reduce_overhead_replays_100_steps_equal_to_eager(name):
     from torch._dynamo.utils import counters
@@ -67,6 +68,7 @@ def test_reduce_overhead_replays_100_steps_equal_to_eager(name):
     assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
 
 
+@pytest.mark.slow
 def test_small_model_decode_step_is_one_cuda_graph():
     from torch._dynamo.utils import counters
     from torch._inductor.cudagraph_trees import get_manager
@@ -96,6 +98,7 @@ def test_small_model_decode_step_is_one_cuda_graph():
     assert manager is not None and len(manager.ids_to_funcs) == 1, manager.ids_to_funcs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(LAYERS))
 def test_pool_drift_over_1000_steps(name, capsys):
     from kdn_compile.serving_drift import pool_drift

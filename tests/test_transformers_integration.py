@@ -74,8 +74,7 @@ MODELS = {
                         mlp_layer_types=["dense", "dense"]),
     "glm5_next": glm5_next,
 }
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs CUDA"))]
+DEVICES = ["cpu", pytest.param("cuda", marks=(pytest.mark.gpu, pytest.mark.slow))]
 # float32 kernels against transformers' own float32 loops: the kernels' chunked sums round
 # differently from the loops (CPU runs the exact references).
 TOLERANCE = {"cpu": dict(rtol=1e-4, atol=1e-5), "cuda": dict(rtol=1e-3, atol=1e-4)}

@@ -30,9 +30,8 @@ from kdn_compile.lowering.two_key_common import (  # noqa: E402
 from kdn_compile.lowering.two_key_fwd import two_key_fwd  # noqa: E402
 from kdn_compile.reference import LOG_MEMORY_ALPHA_FLOOR, two_key_chunk_recurrence  # noqa: E402
 
-from _helpers import assert_close, count_calls  # noqa: E402
+from _helpers import assert_close, count_calls, gpu, kernels, slow  # noqa: E402
 
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 GRADS = ("q", "k", "w", "v", "log_decay", "initial_state")
 # float32 inputs: every kernel product is exact fp32 (``DOT_PREC = "ieee"``), so results
 # differ from the float64 reference by fp32 rounding only (relative RMS at most 1.2e-5 in
@@ -248,10 +247,12 @@ CUDA_CASES = [
     # above have few programs and take the narrow one: state_launch)
     ("bf16-wide-grid", torch.bfloat16, (9, 130, 2, 8, 128, 128), None, -1.0, 0.0, False),
 ]
+SMOKE_CASES = ("bf16-grouped", "bf16-varlen-vfirst")  # the others: full tier
 
 
-@needs_cuda
-@pytest.mark.parametrize("case", CUDA_CASES, ids=[c[0] for c in CUDA_CASES])
+@gpu
+@pytest.mark.parametrize("case", [
+    pytest.param(c, id=c[0], marks=() if c[0] in SMOKE_CASES else slow) for c in CUDA_CASES])
 def test_cuda_matches_reference(case, poisoned):
     _, dtype, (B, T, Hk, Hv, K, V), cu, gate_min, share, v_first = case
     cu_seqlens = torch.tensor(cu) if cu is not None else None
@@ -264,6 +265,7 @@ def test_cuda_matches_reference(case, poisoned):
 
 # ---------------------------------------------------------------- op layer (kdn::chunk_kda)
 
+@kernels
 def test_chunk_kda_op_kernel_path_matches_reference(monkeypatch):
     """``kdn_compile.chunk_kda`` on the kernel path (eager; interpreter on CPU), fwd + grads.
 
@@ -328,6 +330,7 @@ def _kda_op_args(T=70, cu_seqlens=None, seed=6):
             leaf(torch.rand(B, T, Hv, generator=gen)), leaf(r(N, Hv, K, V)), cu, 64, 0.25, False)
 
 
+@kernels
 @pytest.mark.parametrize("varlen", [False, True], ids=["fixed", "varlen"])
 def test_chunk_kda_op_saved_outputs(varlen):
     """``kdn::chunk_kda`` on its kernels returns ``(o, final_state)`` and the saved
@@ -362,6 +365,7 @@ def test_chunk_kda_op_saved_outputs(varlen):
                           test_utils="ALL" if torch.cuda.is_available() else "test_schema")
 
 
+@kernels
 @pytest.mark.parametrize("varlen", [False, True], ids=["fixed", "varlen"])
 def test_diag_kdn_op_memory_kernels_match_reference(varlen, monkeypatch):
     """``kdn::diag_kdn`` with the memory on the two-key kernels (chunk 64): output,
@@ -397,6 +401,7 @@ def test_diag_kdn_op_memory_kernels_match_reference(varlen, monkeypatch):
         assert_close(ours[name].grad, theirs[name].grad, FP32_TOL, f"grad {name}")
 
 
+@kernels
 def test_diag_kdn_op_half_keys_and_values():
     """``kdn::diag_kdn`` with ``q, k, v`` in half precision (as the DiagKDN layer passes
     them with half activations) and float32 noise, memory and precision: the gain and
@@ -429,6 +434,7 @@ def test_diag_kdn_op_half_keys_and_values():
         assert_close(ours[name].grad, theirs[name].grad, tol, f"grad {name}")
 
 
+@kernels
 def test_chunk_kda_op_floors_gates_below_the_kernel_bound():
     """Gates far below ``LOG_DECAY_BOUND`` (e.g. -60, a KDA layer at the top of its
     init range) give finite results equal to the reference's, with zero ``dg`` there."""
@@ -465,6 +471,7 @@ def _kda_x(T, K, seed):
             "beta": torch.rand(1, T, 1, generator=gen, dtype=torch.float64)}
 
 
+@kernels
 def test_chunk_kda_backward_at_the_bound_with_large_gradients():
     """Four tokens of one 8-token half at the bound (-20) and gradients in the hundreds:
     the backward's diagonal block keeps its factors within e^40 there (quarters), where
@@ -492,6 +499,7 @@ def test_chunk_kda_backward_at_the_bound_with_large_gradients():
         assert_close(a, b.to(device), FP32_TOL, f"grad {name}")
 
 
+@kernels
 def test_chunk_kda_kernels_keep_a_nan_gate():
     """A NaN gate gives a NaN output and state on the kernel path, as on the reference
     (the floor once turned it into -20 and hid it)."""
