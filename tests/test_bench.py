@@ -270,17 +270,62 @@ def test_families_that_profile_return_steps_by_implementation():
     assert profiled == ["gdn", "kda", "kdn", "layers", "qat"]
 
 
-def test_source_commit_marks_a_changed_checkout(tmp_path):
-    def git(*args):
-        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path,
-                       check=True, capture_output=True)
+def _git(folder, *args):
+    return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args],
+                          cwd=folder, check=True, capture_output=True, text=True).stdout.strip()
 
-    assert timing.source_commit(str(tmp_path)) == "unknown"  # not a checkout
-    git("init", "-q")
-    (tmp_path / "a.py").write_text("x = 1\n")
-    git("add", "a.py")
-    git("commit", "-q", "-m", "a")
-    clean = timing.source_commit(str(tmp_path))
-    assert len(clean) >= 7 and "+" not in clean
-    (tmp_path / "a.py").write_text("x = 2\n")
-    assert timing.source_commit(str(tmp_path)) == clean + "+dirty"
+
+def _package_copy(folder):
+    package = folder / "kdn_compile"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("x = 1\n")
+    return package
+
+
+def test_source_commit_is_the_checkout_holding_the_package(tmp_path):
+    assert timing.source_commit(str(_package_copy(tmp_path / "plain"))) == "unknown"
+    repo = tmp_path / "repo"
+    package = _package_copy(repo / "src")
+    _git(repo, "init", "-q")
+    _git(repo, "add", ".")
+    _git(repo, "commit", "-q", "-m", "a")
+    clean = timing.source_commit(str(package))
+    assert clean == _git(repo, "rev-parse", "--short", "HEAD") and "+" not in clean
+    (package / "__init__.py").write_text("x = 2\n")
+    assert timing.source_commit(str(package)) == clean + "+dirty"
+
+
+def test_source_commit_ignores_a_repository_around_an_untracked_copy(tmp_path, monkeypatch):
+    """A copy unpacked inside another repository (tracked files of its own, the copy
+    untracked or ignored) is not that repository's code."""
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "README").write_text("another project\n")
+    _git(other, "init", "-q")
+    _git(other, "add", ".")
+    _git(other, "commit", "-q", "-m", "other")
+    package = _package_copy(other / "vendor" / "kdn-compile-0.1.0")
+    assert timing.source_commit(str(package)) == "unknown"
+
+    def distribution(name):
+        assert name == "kdn-compile"
+        return types.SimpleNamespace(version="0.1.0", locate_file=lambda p: located / p)
+
+    monkeypatch.setattr(timing.importlib.metadata, "distribution", distribution)
+    located = package.parent  # the installed distribution is this copy
+    assert timing.source_commit(str(package)) == "unknown (kdn-compile 0.1.0)"
+    located = tmp_path / "site-packages"  # another copy is installed: its version says nothing
+    assert timing.source_commit(str(package)) == "unknown"
+
+
+def test_run_metadata_names_the_imported_packages_commit(monkeypatch):
+    import os
+
+    import kdn_compile
+
+    asked = []
+    monkeypatch.setattr(timing, "source_commit", lambda folder: asked.append(folder) or "abc")
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
+    meta = timing.run_metadata()
+    assert meta["commit"] == "abc" and meta["gpu"] == "NVIDIA H200"
+    assert asked == [os.path.dirname(os.path.abspath(kdn_compile.__file__))]
