@@ -154,7 +154,7 @@ def test_coldstart_runs_each_case_in_new_processes_on_fresh_caches(monkeypatch):
         return types.SimpleNamespace(returncode=0, stdout=f"log line\n{out}\n", stderr="")
 
     monkeypatch.setattr(coldstart.subprocess, "run", fake_run)
-    rows = coldstart.measure(Shape(1, 64, 2), True)
+    rows = coldstart.measure(Shape(1, 64, 2), True, cases=coldstart.CASES)
     expected = [(case, impl) for case in coldstart.CASES for impl in ("ours", "FLA")
                 if impl == "ours" or case in coldstart.FLA_CASES]
     assert [(r["case"], r["impl"]) for r in rows[::2]] == expected
@@ -268,6 +268,73 @@ def test_families_that_profile_return_steps_by_implementation():
     profiled = [n for n, m in FAMILIES.items()
                 if hasattr(importlib.import_module(m), "profile_steps")]
     assert profiled == ["gdn", "kda", "kdn", "layers", "qat"]
+
+
+def test_coldstart_families_split_the_cases(monkeypatch):
+    from kdn_compile.bench import coldstart, coldstart_layers
+
+    seen = []
+    monkeypatch.setattr(coldstart, "_in_new_process", lambda case, impl, shape, caches, timeout:
+                        seen.append(case) or {"seconds": 1.0, "error": None})
+    coldstart.measure(Shape(1, 64, 2), False)
+    assert seen == [case for case in coldstart.OP_CASES for _ in range(2)]
+    seen.clear()
+    coldstart_layers.measure(Shape(1, 64, 2), False)
+    assert seen == [case for case in coldstart.LAYER_CASES for _ in range(2)]
+    assert set(coldstart.OP_CASES + coldstart.LAYER_CASES) == set(coldstart.CASES)
+
+
+def test_coldstart_prints_each_row_when_its_process_ends(monkeypatch, capsys):
+    from kdn_compile.bench import coldstart
+
+    printed_before = []
+
+    def fake_run(argv, env, **kwargs):
+        printed_before.append(capsys.readouterr().out)
+        out = coldstart._RESULT + json.dumps({"seconds": 2.5, "error": 1e-3})
+        return types.SimpleNamespace(returncode=0, stdout=out, stderr="")
+
+    monkeypatch.setattr(coldstart.subprocess, "run", fake_run)
+    coldstart.measure(Shape(1, 64, 2), False, cases=("gdn", "kda"))
+    assert "4 processes" in printed_before[0]
+    assert printed_before[1] == "coldstart gdn ours 1x64x2: 2.5 s, 1.0e-03 from float64\n"
+    assert printed_before[2] == "coldstart gdn ours cached 1x64x2: 2.5 s, 1.0e-03 from float64\n"
+    assert printed_before[3].startswith("coldstart kda ours 1x64x2: 2.5 s")
+
+
+def test_coldstart_stops_a_process_over_its_budget_and_the_run_at_its_budget(monkeypatch,
+                                                                              capsys):
+    from kdn_compile.bench import coldstart
+
+    now, timeouts = [0.0], []
+
+    def fake_run(argv, env, timeout, **kwargs):
+        timeouts.append(timeout)
+        seconds = float("inf") if argv[-3] == "kda" else 30.0  # kda's process never ends
+        if seconds > timeout:
+            now[0] += timeout
+            raise subprocess.TimeoutExpired(argv, timeout)
+        now[0] += seconds
+        out = coldstart._RESULT + json.dumps({"seconds": seconds, "error": None})
+        return types.SimpleNamespace(returncode=0, stdout=out, stderr="")
+
+    monkeypatch.setattr(coldstart.subprocess, "run", fake_run)
+    monkeypatch.setattr(coldstart, "_clock", lambda: now[0])
+    monkeypatch.setattr(coldstart, "ROW_BUDGET_S", 50)
+    monkeypatch.setattr(coldstart, "RUN_BUDGET_S", 200)
+    rows = coldstart.measure(Shape(1, 64, 2), False, cases=coldstart.CASES)
+    out = capsys.readouterr().out
+    # gdn 30 + 30 s; kda stopped at 50 s, its cached run skipped; kdn 30 + 30 s; the gdn
+    # layer's first process gets the 30 s left, its cached one nothing; the rest not run
+    assert timeouts == [50, 50, 50, 50, 50, 30]
+    assert [(r["case"], r["impl"]) for r in rows] == [
+        ("gdn", "ours"), ("gdn", "ours cached"), ("kdn", "ours"), ("kdn", "ours cached"),
+        ("gdn layer", "ours")]
+    assert "coldstart kda ours 1x64x2: not recorded, stopped after 50 s\n" in out
+    assert "kda ours cached" not in out
+    assert "coldstart gdn layer ours cached 1x64x2: not recorded, the 200 s budget is spent" in out
+    assert ("the 200 s budget is spent; not timed: kda layer (ours), kdn layer (ours)\n") in out
+    assert now[0] == 200
 
 
 def _git(folder, *args):

@@ -1,6 +1,6 @@
 """``kdn-compile bench``: time the ops and layers on one CUDA GPU, optionally against FLA.
 
-    kdn-compile bench [--ops gdn,kda,kdn,layers,decode,qat,qwen3next,coldstart] [--shapes BxTxH,...] [--against fla] [--profile] [--out DIR]
+    kdn-compile bench [--ops gdn,kda,kdn,layers,decode,qat,qwen3next,coldstart,coldstart-layers] [--shapes BxTxH,...] [--against fla] [--profile] [--out DIR]
 
 For each op family the command first checks ours (and FLA's, with ``--against fla``)
 against the reference at a small shape, then times every shape with
@@ -54,9 +54,10 @@ FAMILIES = {
     "qwen3next": "kdn_compile.bench.qwen3_next",
     "qat": "kdn_compile.bench.qat",
     "coldstart": "kdn_compile.bench.coldstart",
+    "coldstart-layers": "kdn_compile.bench.coldstart_layers",
 }
 DEFAULT_OPS = ("gdn", "kda", "kdn", "layers", "decode", "qat")
 """The families run when ``--ops`` is not given (``qwen3next`` needs transformers;
-``coldstart`` compiles everything from empty caches, minutes)."""
+``coldstart`` and ``coldstart-layers`` compile everything from empty caches, minutes)."""
 
 __all__ = ["DEFAULT_OPS", "FAMILIES", "CheckFailed", "Shape", "parse_shapes"]
