@@ -146,18 +146,24 @@ def summarize_kernels(events, steps: int) -> list[dict]:
 
 def time_forward_backward(make: Callable[[int], Sequence[torch.Tensor]],
                           impls: dict[str, Callable[..., Sequence[torch.Tensor]]],
-                          grad_index: int = 2) -> list[dict]:
+                          grad_index: int = 2,
+                          on_row: Callable[[dict], object] | None = None) -> list[dict]:
     """Rows ``{"case": "fwd" | "fwd+bwd", "impl", "ms"[, "peak_mib"]}`` for each of
     ``impls`` on the inputs ``make(seed)``: the forward over rotating input sets, then
     forward+backward from a random gradient shaped as input ``grad_index`` (the first
-    output's shape), with its peak memory."""
+    output's shape), with its peak memory. ``on_row(row)`` is called as each row is
+    measured."""
     rows = []
+
+    def add(row):
+        rows.append(row)
+        if on_row is not None:
+            on_row(row)
     for impl, fn in impls.items():
-        rows.append({"case": "fwd", "impl": impl, "ms": median_ms(rotating(make, fn))})
+        add({"case": "fwd", "impl": impl, "ms": median_ms(rotating(make, fn))})
         inputs = make(0)
         step = fwd_bwd(fn, inputs, torch.randn_like(inputs[grad_index]))
-        rows.append({"case": "fwd+bwd", "impl": impl, "ms": median_ms(step),
-                     "peak_mib": peak_mib(step)})
+        add({"case": "fwd+bwd", "impl": impl, "ms": median_ms(step), "peak_mib": peak_mib(step)})
         del inputs, step
         torch.cuda.empty_cache()
     return rows
