@@ -154,7 +154,7 @@ def test_coldstart_runs_each_case_in_new_processes_on_fresh_caches(monkeypatch):
         return types.SimpleNamespace(returncode=0, stdout=f"log line\n{out}\n", stderr="")
 
     monkeypatch.setattr(coldstart.subprocess, "run", fake_run)
-    rows = coldstart.measure(Shape(1, 64, 2), True)
+    rows = coldstart.measure(Shape(1, 64, 2), True, cases=coldstart.CASES)
     expected = [(case, impl) for case in coldstart.CASES for impl in ("ours", "FLA")
                 if impl == "ours" or case in coldstart.FLA_CASES]
     assert [(r["case"], r["impl"]) for r in rows[::2]] == expected
@@ -270,17 +270,327 @@ def test_families_that_profile_return_steps_by_implementation():
     assert profiled == ["gdn", "kda", "kdn", "layers", "qat"]
 
 
-def test_source_commit_marks_a_changed_checkout(tmp_path):
-    def git(*args):
-        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path,
-                       check=True, capture_output=True)
+def test_coldstart_families_split_the_cases(monkeypatch):
+    from kdn_compile.bench import coldstart, coldstart_layers
 
-    assert timing.source_commit(str(tmp_path)) == "unknown"  # not a checkout
-    git("init", "-q")
-    (tmp_path / "a.py").write_text("x = 1\n")
-    git("add", "a.py")
-    git("commit", "-q", "-m", "a")
-    clean = timing.source_commit(str(tmp_path))
-    assert len(clean) >= 7 and "+" not in clean
-    (tmp_path / "a.py").write_text("x = 2\n")
-    assert timing.source_commit(str(tmp_path)) == clean + "+dirty"
+    seen = []
+    monkeypatch.setattr(coldstart, "_in_new_process", lambda case, impl, shape, caches, timeout:
+                        seen.append(case) or {"seconds": 1.0, "error": None})
+    coldstart.measure(Shape(1, 64, 2), False)
+    assert seen == [case for case in coldstart.OP_CASES for _ in range(2)]
+    seen.clear()
+    coldstart_layers.measure(Shape(1, 64, 2), False)
+    assert seen == [case for case in coldstart.LAYER_CASES for _ in range(2)]
+    assert set(coldstart.OP_CASES + coldstart.LAYER_CASES) == set(coldstart.CASES)
+
+
+def test_coldstart_prints_each_row_when_its_process_ends(monkeypatch, capsys):
+    from kdn_compile.bench import coldstart
+
+    printed_before = []
+
+    def fake_run(argv, env, **kwargs):
+        printed_before.append(capsys.readouterr().out)
+        out = coldstart._RESULT + json.dumps({"seconds": 2.5, "error": 1e-3})
+        return types.SimpleNamespace(returncode=0, stdout=out, stderr="")
+
+    monkeypatch.setattr(coldstart.subprocess, "run", fake_run)
+    coldstart.measure(Shape(1, 64, 2), False, cases=("gdn", "kda"))
+    assert "4 processes" in printed_before[0]
+    assert printed_before[1] == "coldstart gdn ours 1x64x2: 2.5 s, 1.0e-03 from float64\n"
+    assert printed_before[2] == "coldstart gdn ours cached 1x64x2: 2.5 s, 1.0e-03 from float64\n"
+    assert printed_before[3].startswith("coldstart kda ours 1x64x2: 2.5 s")
+
+
+def test_coldstart_stops_a_process_over_its_budget_and_the_run_at_its_budget(monkeypatch,
+                                                                              capsys):
+    from kdn_compile.bench import coldstart
+
+    now, timeouts = [0.0], []
+
+    def fake_run(argv, env, timeout, **kwargs):
+        timeouts.append(timeout)
+        seconds = float("inf") if argv[-3] == "kda" else 30.0  # kda's process never ends
+        if seconds > timeout:
+            now[0] += timeout
+            raise subprocess.TimeoutExpired(argv, timeout)
+        now[0] += seconds
+        out = coldstart._RESULT + json.dumps({"seconds": seconds, "error": None})
+        return types.SimpleNamespace(returncode=0, stdout=out, stderr="")
+
+    monkeypatch.setattr(coldstart.subprocess, "run", fake_run)
+    monkeypatch.setattr(coldstart, "_clock", lambda: now[0])
+    monkeypatch.setattr(coldstart, "ROW_BUDGET_S", 50)
+    monkeypatch.setattr(coldstart, "RUN_BUDGET_S", 200)
+    rows = coldstart.measure(Shape(1, 64, 2), False, cases=coldstart.CASES)
+    out = capsys.readouterr().out
+    # gdn 30 + 30 s; kda stopped at 50 s, its cached run skipped; kdn 30 + 30 s; the gdn
+    # layer's first process gets the 30 s left, its cached one nothing; the rest not run
+    assert timeouts == [50, 50, 50, 50, 50, 30]
+    assert [(r["case"], r["impl"]) for r in rows] == [
+        ("gdn", "ours"), ("gdn", "ours cached"), ("kdn", "ours"), ("kdn", "ours cached"),
+        ("gdn layer", "ours")]
+    assert "coldstart kda ours 1x64x2: not recorded, stopped after 50 s\n" in out
+    assert "kda ours cached" not in out
+    assert "coldstart gdn layer ours cached 1x64x2: not recorded, the 200 s budget is spent" in out
+    assert ("the 200 s budget is spent; not timed: kda layer (ours), kdn layer (ours)\n") in out
+    assert now[0] == 200
+
+
+def _git(folder, *args):
+    return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args],
+                          cwd=folder, check=True, capture_output=True, text=True).stdout.strip()
+
+
+def _package_copy(folder):
+    package = folder / "kdn_compile"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("x = 1\n")
+    return package
+
+
+def test_source_commit_is_the_checkout_holding_the_package(tmp_path):
+    assert timing.source_commit(str(_package_copy(tmp_path / "plain"))) == "unknown"
+    repo = tmp_path / "repo"
+    package = _package_copy(repo / "src")
+    _git(repo, "init", "-q")
+    _git(repo, "add", ".")
+    _git(repo, "commit", "-q", "-m", "a")
+    clean = timing.source_commit(str(package))
+    assert clean == _git(repo, "rev-parse", "--short", "HEAD") and "+" not in clean
+    (package / "__init__.py").write_text("x = 2\n")
+    assert timing.source_commit(str(package)) == clean + "+dirty"
+
+
+def test_source_commit_ignores_a_repository_around_an_untracked_copy(tmp_path, monkeypatch):
+    """A copy unpacked inside another repository (tracked files of its own, the copy
+    untracked or ignored) is not that repository's code."""
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "README").write_text("another project\n")
+    _git(other, "init", "-q")
+    _git(other, "add", ".")
+    _git(other, "commit", "-q", "-m", "other")
+    package = _package_copy(other / "vendor" / "kdn-compile-0.1.0")
+    assert timing.source_commit(str(package)) == "unknown"
+
+    def distribution(name):
+        assert name == "kdn-compile"
+        return types.SimpleNamespace(version="0.1.0", locate_file=lambda p: located / p)
+
+    monkeypatch.setattr(timing.importlib.metadata, "distribution", distribution)
+    located = package.parent  # the installed distribution is this copy
+    assert timing.source_commit(str(package)) == "unknown (kdn-compile 0.1.0)"
+    located = tmp_path / "site-packages"  # another copy is installed: its version says nothing
+    assert timing.source_commit(str(package)) == "unknown"
+
+
+def test_run_metadata_names_the_imported_packages_commit(monkeypatch):
+    import os
+
+    import kdn_compile
+
+    asked = []
+    monkeypatch.setattr(timing, "source_commit", lambda folder: asked.append(folder) or "abc")
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
+    meta = timing.run_metadata()
+    assert meta["commit"] == "abc" and meta["gpu"] == "NVIDIA H200"
+    assert asked == [os.path.dirname(os.path.abspath(kdn_compile.__file__))]
+
+
+PAGE = """# Benchmarks
+
+| case | B x T x H | ours ms |
+|---|---|---|
+| fwd | 8x4096x16 | 9.000 |
+
+## GDN: `chunk_gdn` against FLA
+
+| case | B x T x H | ours ms | FLA ms | ours / FLA |
+|---|---|---|---|---|
+| fwd | 8x4096x16 | 0.821 | 0.943 | 0.87 |
+| fwd+bwd | 8x4096x16 | 4.537 | - | - |
+
+## Quantization-aware training
+
+| case | B x T x H | plain ms |
+|:---|---:|---|
+| fwd+bwd | 8x4096x16 | 4.5 |
+"""
+
+
+def test_recorded_tables_parse_by_section_case_shape_and_column():
+    from kdn_compile.bench import recorded
+
+    rows = recorded.parse_tables(PAGE)
+    assert [r["section"] for r in rows] == ["", "GDN: `chunk_gdn` against FLA",
+                                           "GDN: `chunk_gdn` against FLA",
+                                           "Quantization-aware training"]
+    assert rows[1] == {"section": "GDN: `chunk_gdn` against FLA", "case": "fwd",
+                       "B x T x H": "8x4096x16", "ours ms": "0.821", "FLA ms": "0.943",
+                       "ours / FLA": "0.87"}
+    assert recorded.recorded_ms(rows, "GDN:", "fwd", "8x4096x16", "ours ms") == 0.821
+    assert recorded.recorded_ms(rows, "GDN:", "fwd+bwd", "8x4096x16", "ours ms") == 4.537
+    assert recorded.recorded_ms(rows, "GDN:", "fwd+bwd", "8x4096x16", "FLA ms") is None  # "-"
+    assert recorded.recorded_ms(rows, "GDN:", "fwd", "1x4096x16", "ours ms") is None
+    assert recorded.recorded_ms(rows, "GDN:", "fwd", "8x4096x16", "chunk_kda ms") is None
+    assert recorded.recorded_ms(rows, "KDA:", "fwd", "8x4096x16", "ours ms") is None
+    assert recorded.recorded_ms(rows, "Quant", "fwd+bwd", "8x4096x16", "plain ms") == 4.5
+
+
+def test_the_benchmarks_page_has_every_row_quick_compares():
+    from kdn_compile.bench import quick, recorded
+
+    page = recorded.read_page(recorded.default_page())
+    assert page, recorded.default_page()
+    for case in quick.CASES:
+        cases = (("GDN f32 pool", "KDA f32 pool") if case.family == "decode"
+                 else ("fwd", "fwd+bwd"))
+        for name in cases:
+            for impl in (*case.judged, *case.judged.values()):
+                ms = recorded.recorded_ms(page, case.section, name, str(case.shape), f"{impl} ms")
+                assert ms is not None and ms > 0, (case.family, name, impl)
+    assert recorded.read_page(recorded.default_page() + ".missing") is None
+
+
+def test_verdict_is_slower_only_more_than_five_percent_above_the_recorded_time():
+    from kdn_compile.bench import recorded
+
+    assert recorded.TOLERANCE == 0.05
+    assert recorded.verdict(4.0 * 1.049, 4.0) == "ok"
+    assert recorded.verdict(4.0 * 1.051, 4.0) == "SLOWER"
+    assert recorded.verdict(4.0 * 0.949, 4.0) == "ok"  # faster is never a failure
+    assert recorded.verdict(4.0 * 0.5, 4.0) == "ok"
+    assert recorded.verdict(4.0, None) == "no recorded row"
+    assert recorded.verdict(4.0 * 1.09, 4.0, tolerance=0.1) == "ok"
+    assert recorded.change(4.2, 4.0) == pytest.approx(0.05)
+    assert recorded.change(4.2, None) is None
+
+
+def test_quick_refuses_without_cuda(monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["bench", "--quick", "--out", str(tmp_path)]) == cli.NO_CUDA
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
+
+
+def test_quick_takes_no_family_options(capsys, tmp_path):
+    for extra in (["--ops", "gdn"], ["--shapes", "2x64x4"], ["--profile"]):
+        assert main(["bench", "--quick", *extra, "--out", str(tmp_path)]) == cli.USAGE
+        assert "--quick times its own cases" in capsys.readouterr().err
+    args = parser().parse_args(["--quick", "--against", "fla"])
+    assert cli.reproducing_command(args) == "kdn-compile bench --quick --against fla"
+
+
+def _fake_quick(monkeypatch, capsys, slower: str | None = None, fla: bool = True):
+    """Runs quick.measure's rows at the recorded times (``slower``: that family's ours
+    fwd+bwd 10% above), checking that each row was printed before the next is measured."""
+    from kdn_compile.bench import quick, recorded
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(timing, "run_metadata", lambda: META)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object() if fla else None)
+    page = recorded.read_page(recorded.default_page())
+    lines = []
+
+    def measure(case, against_fla, on_row):
+        names = ("GDN f32 pool", "KDA f32 pool") if case.family == "decode" else ("fwd", "fwd+bwd")
+        impls = [*case.judged, *(case.judged.values() if against_fla or case.family == "kdn"
+                                 else ())]
+        for impl in impls:
+            for name in names:
+                ms = recorded.recorded_ms(page, case.section, name, str(case.shape), f"{impl} ms")
+                if case.family == slower and impl in case.judged and name == "fwd+bwd":
+                    ms *= 1.10
+                on_row({"case": name, "impl": impl, "ms": ms})
+                lines.append(capsys.readouterr().out)
+        return []
+
+    monkeypatch.setattr(quick, "measure", measure)
+    return lines
+
+
+def test_quick_prints_rows_as_measured_and_passes_at_the_recorded_times(monkeypatch, capsys,
+                                                                        tmp_path):
+    lines = _fake_quick(monkeypatch, capsys)
+    assert main(["bench", "--quick", "--out", str(tmp_path)]) == 0
+    printed = [text.splitlines()[-1] for text in lines]  # the last line: the row just measured
+    assert len(printed) == 16 and lines[1] == printed[1] + "\n"
+    assert printed[0].startswith("gdn fwd 8x4096x16 ours: ") and printed[0].endswith("(+0.0%): ok")
+    assert printed[3].startswith("gdn fwd+bwd 8x4096x16 FLA: ") and printed[3].endswith("(+0.0%)")
+    assert printed[-1].startswith("decode KDA f32 pool 256x1x32 FLA graph: ")
+    out = capsys.readouterr().out
+    assert "quick: 8 of 8 cases ok" in out
+    assert "| kdn fwd+bwd | 8x4096x16 | ours |" in out
+    rows = json.loads((tmp_path / "rows.json").read_text())
+    assert {r["family"] for r in rows} == {"gdn", "kda", "kdn", "decode"}
+    judged = [r for r in rows if "verdict" in r]
+    assert len(judged) == 8 and all(r["verdict"] == "ok" for r in judged)
+    assert all(r["recorded_ms"] == r["ms"] for r in rows)
+    text = (tmp_path / "results.md").read_text()
+    assert "`kdn-compile bench --quick`" in text and "### Against " in text
+
+
+def test_quick_exits_non_zero_when_a_case_is_slower(monkeypatch, capsys, tmp_path):
+    from kdn_compile.bench import quick
+
+    lines = _fake_quick(monkeypatch, capsys, slower="kda", fla=False)
+    assert main(["bench", "--quick", "--out", str(tmp_path)]) == quick.SLOWER_EXIT
+    assert any(text.splitlines()[-1].startswith("kda fwd+bwd 8x4096x16 ours: ")
+               and text.endswith("(+10.0%): SLOWER\n") for text in lines)
+    out = capsys.readouterr().out
+    assert "quick: FLA is not installed" in lines[0]
+    assert "quick: SLOWER than recorded: kda fwd+bwd 8x4096x16 ours (+10.0%)" in out
+
+
+def test_quick_without_a_recorded_page_says_so_and_passes(monkeypatch, capsys, tmp_path):
+    lines = _fake_quick(monkeypatch, capsys, slower="gdn")
+    missing = str(tmp_path / "nowhere.md")
+    monkeypatch.setattr("kdn_compile.bench.recorded.read_page", lambda path: None
+                        if path == missing else pytest.fail(path))
+    assert main(["bench", "--quick", "--recorded", missing, "--out", str(tmp_path)]) == 0
+    out = "".join(lines) + capsys.readouterr().out
+    assert f"quick: {missing} does not exist (--recorded PATH): no recorded rows" in out
+    assert "gdn fwd+bwd 8x4096x16 ours: " in out and ", no recorded row\n" in out
+    assert "quick: 0 of 8 cases ok, 8 with no recorded row" in out
+
+
+def test_quick_calls_each_family_as_it_is_defined(monkeypatch):
+    import inspect
+
+    from kdn_compile.bench import decode, gdn, kda, kdn, quick
+
+    bound = []
+    for module, name in ((gdn, "measure"), (kda, "measure"), (kdn, "measure"),
+                         (decode, "pool_rows")):
+        def fake(*args, real=getattr(module, name), **kwargs):
+            bound.append(inspect.signature(real).bind(*args, **kwargs).arguments)
+            return []
+        monkeypatch.setattr(module, name, fake)
+    for case in quick.CASES:
+        quick.measure(case, True, print)
+    assert [b["shape"] for b in bound] == [c.shape for c in quick.CASES]
+    assert all(b["on_row"] is print for b in bound)
+    assert bound[-1]["pools"] == ("f32",) and bound[-1]["eager"] is False
+
+
+def test_rows_reach_on_row_as_they_are_measured(monkeypatch):
+    from kdn_compile.bench import decode
+
+    seen = []
+    monkeypatch.setattr(decode, "median_ms", lambda fn: 0.5)
+    monkeypatch.setattr(decode, "graphed", lambda fn: fn)
+    rows = decode._rows("GDN f32 pool", {"ours": None, "FLA": None}, 10**6, eager=False,
+                        on_row=lambda row: seen.append(dict(row)))
+    assert [r["impl"] for r in rows] == ["ours graph", "FLA graph"] and seen == rows
+    assert rows[0]["GBps"] == pytest.approx(2.0)
+    for name in ("median_ms", "peak_mib"):
+        monkeypatch.setattr(timing, name, lambda fn: 1.0)
+    monkeypatch.setattr(timing, "rotating", lambda make, fn: fn)
+    monkeypatch.setattr(timing.torch.cuda, "empty_cache", lambda: None)
+    seen.clear()
+    rows = timing.time_forward_backward(lambda seed: [torch.ones(2)] * 3,
+                                        {"ours": None, "FLA": None},
+                                        on_row=lambda row: seen.append((row["impl"], row["case"])))
+    assert seen == [("ours", "fwd"), ("ours", "fwd+bwd"), ("FLA", "fwd"), ("FLA", "fwd+bwd")]
+    assert [(r["impl"], r["case"]) for r in rows] == seen

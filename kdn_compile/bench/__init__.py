@@ -1,6 +1,7 @@
 """``kdn-compile bench``: time the ops and layers on one CUDA GPU, optionally against FLA.
 
-    kdn-compile bench [--ops gdn,kda,kdn,layers,decode,qat,qwen3next,coldstart] [--shapes BxTxH,...] [--against fla] [--profile] [--out DIR]
+    kdn-compile bench [--ops gdn,kda,kdn,layers,decode,qat,qwen3next,coldstart,coldstart-layers] [--shapes BxTxH,...] [--against fla] [--profile] [--out DIR]
+    kdn-compile bench --quick [--against fla] [--recorded PATH] [--out DIR]
 
 For each op family the command first checks ours (and FLA's, with ``--against fla``)
 against the reference at a small shape, then times every shape with
@@ -9,6 +10,11 @@ to ``--out``: ``rows.json`` (one row per measurement with GPU, versions, commit 
 time), ``results.md`` (the tables) and, where matplotlib is installed
 (``pip install kdn-compile[bench]``), PNG plots of time against sequence length and
 against batch.
+
+``--quick`` (:mod:`kdn_compile.bench.quick`) is a speed guard: one recorded shape of each op
+family, timed in one process (about 3 minutes from empty caches) and judged against its row
+in ``docs/benchmarks.md`` (:mod:`kdn_compile.bench.recorded`); exit status 3 when one of
+ours is more than 5% slower than recorded.
 
 Adding an op family
 -------------------
@@ -31,7 +37,9 @@ module). It defines:
     ``"graph_breaks": int``, and ``"versus": str`` (an ``impl`` to show the time relative
     to). ``impl`` is ``"ours"`` for the
     timed kdn function, ``"FLA"`` for FLA's; other names (``"ours eager"``) add columns.
-    The command adds the family, the shape and the run's metadata to each row.
+    The command adds the family, the shape and the run's metadata to each row. The
+    ``gdn``, ``kda`` and ``kdn`` families also take ``on_row=``, a callable given each row
+    as soon as it is measured (``--quick`` prints them so).
 ``profile_steps(shape: Shape, fla: bool) -> dict[str, Callable[[], None]]`` (optional)
     one forward+backward step per implementation, as ``measure`` times it: with
     ``--profile`` each is broken down by GPU kernel
@@ -54,9 +62,10 @@ FAMILIES = {
     "qwen3next": "kdn_compile.bench.qwen3_next",
     "qat": "kdn_compile.bench.qat",
     "coldstart": "kdn_compile.bench.coldstart",
+    "coldstart-layers": "kdn_compile.bench.coldstart_layers",
 }
 DEFAULT_OPS = ("gdn", "kda", "kdn", "layers", "decode", "qat")
 """The families run when ``--ops`` is not given (``qwen3next`` needs transformers;
-``coldstart`` compiles everything from empty caches, minutes)."""
+``coldstart`` and ``coldstart-layers`` compile everything from empty caches, minutes)."""
 
 __all__ = ["DEFAULT_OPS", "FAMILIES", "CheckFailed", "Shape", "parse_shapes"]

@@ -86,9 +86,11 @@ def steps(shape: Shape, impls: dict[str, Callable], *, per_key: bool) -> dict[st
             for impl, fn in impls.items()}
 
 
-def measure(shape: Shape, impls: dict[str, Callable], *, per_key: bool) -> list[dict]:
-    """Forward and forward+backward (with peak memory) of each ``impls`` entry at ``shape``."""
+def measure(shape: Shape, impls: dict[str, Callable], *, per_key: bool,
+            on_row: Callable[[dict], object] | None = None) -> list[dict]:
+    """Forward and forward+backward (with peak memory) of each ``impls`` entry at ``shape``;
+    ``on_row(row)`` as each row is measured."""
     scale = HEAD_DIM ** -0.5
     return time_forward_backward(
         lambda seed: make_inputs(shape, seed, per_key=per_key),
-        {impl: (lambda *x, fn=fn: fn(*x, scale)) for impl, fn in impls.items()})
+        {impl: (lambda *x, fn=fn: fn(*x, scale)) for impl, fn in impls.items()}, on_row=on_row)

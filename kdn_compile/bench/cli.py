@@ -11,6 +11,11 @@ from kdn_compile.bench import DEFAULT_OPS, FAMILIES
 from kdn_compile.bench.timing import CheckFailed, parse_shapes
 
 NO_CUDA = 2  # exit code when the command cannot run here (no CUDA, FLA asked for but absent)
+USAGE = 2  # exit code of options that do not go together (argparse's own for bad options)
+EPILOG = ("Exit status: 0 done (with --quick: no case SLOWER); 1 a correctness check failed; "
+          "2 cannot run here (no CUDA; --against fla without FLA) or options that do not go "
+          "together; 3 (--quick) one of our times is SLOWER, more than 5% above its row "
+          "recorded in docs/benchmarks.md.")
 
 
 def _ops(text: str) -> list[str]:
@@ -42,9 +47,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also break each shape's forward+backward down by GPU kernel "
                              "(torch.profiler) into profile.md, for the families that "
                              "support it (gdn, kda, kdn, layers, qat)")
+    parser.add_argument("--quick", action="store_true",
+                        help="speed guard, about 3 minutes from empty caches: GDN, KDA and "
+                             "Diag-KDN forward and forward+backward at 8x4096x16, GDN and KDA "
+                             "decode over float32 pools at 256x1x32 (CUDA-graph replays), FLA "
+                             "beside ours where installed, each compared with its row in "
+                             "docs/benchmarks.md: ok, or SLOWER (more than 5%% above it, exit "
+                             "status 3); takes no --ops, --shapes or --profile")
+    parser.add_argument("--recorded", default=None, metavar="PATH",
+                        help="with --quick: the page of recorded rows (default: the "
+                             "checkout's docs/benchmarks.md)")
     parser.add_argument("--out", default="bench-results",
                         help="folder for rows.json, results.md and the plots "
                              "(default ./bench-results)")
+    parser.epilog = EPILOG
 
 
 def _refusal(args: argparse.Namespace) -> str | None:
@@ -61,6 +77,10 @@ def _refusal(args: argparse.Namespace) -> str | None:
 
 def reproducing_command(args: argparse.Namespace) -> str:
     """The command line that repeats this run (every option spelled out)."""
+    if getattr(args, "quick", False):
+        return " ".join(["kdn-compile bench --quick",
+                         *([f"--against {args.against}"] if args.against else []),
+                         *([f"--recorded {args.recorded}"] if args.recorded else [])])
     shapes = ",".join(map(str, args.shapes)) if args.shapes else None
     return " ".join(["kdn-compile bench", f"--ops {','.join(args.ops)}",
                      *([f"--shapes {shapes}"] if shapes else []),
@@ -86,11 +106,20 @@ def _profile(family, shape, against: bool) -> list[tuple]:
 def run(args: argparse.Namespace) -> int:
     """Check, time and report every family of ``args.ops``; returns the exit code: 0, 1
     when a correctness check failed (nothing of that family is timed), ``NO_CUDA`` when
-    the command cannot run here."""
+    the command cannot run here; with ``--quick``, :func:`kdn_compile.bench.quick.run`'s."""
+    if getattr(args, "quick", False) and (args.ops != list(DEFAULT_OPS) or args.shapes
+                                          or args.profile):
+        print("kdn-compile bench: --quick times its own cases; it takes no --ops, --shapes "
+              "or --profile", file=sys.stderr)
+        return USAGE
     refusal = _refusal(args)
     if refusal:
         print(refusal, file=sys.stderr)
         return NO_CUDA
+    if getattr(args, "quick", False):
+        from kdn_compile.bench import quick
+
+        return quick.run(args, reproducing_command(args))
     from kdn_compile.bench import report
     from kdn_compile.bench.timing import run_metadata
 

@@ -7,11 +7,18 @@ folder: ``ours`` / ``FLA`` start from empty caches (every kernel compiled, FLA's
 run), ``ours cached`` / ``FLA cached`` are a second process on the caches the first one
 filled (what a restarted job sees). The time runs from the first call to the end of its
 backward (``torch.cuda.synchronize``); the process start, imports and CUDA initialisation
-are not in it. Cases: the ops ``gdn``, ``kda``, ``kdn`` called eagerly, as the ``gdn``,
-``kda`` and ``kdn`` families do, and ``gdn layer``, ``kda layer``, ``kdn layer``: one
-training step of our layer under ``torch.compile(fullgraph=True)`` (FLA's layer eager), as
-the ``layers`` family. Each process checks its first output against the reference in
-float64 (ours only) before it reports.
+are not in it. Cases (:data:`OP_CASES`, this family): the ops ``gdn``, ``kda``, ``kdn``
+called eagerly, as the ``gdn``, ``kda`` and ``kdn`` families do; the ``coldstart-layers``
+family (:mod:`kdn_compile.bench.coldstart_layers`) times :data:`LAYER_CASES`, ``gdn layer``,
+``kda layer``, ``kdn layer``: one training step of our layer under
+``torch.compile(fullgraph=True)`` (FLA's layer eager), as the ``layers`` family. Each
+process checks its first output against the reference in float64 (ours only) before it
+reports.
+
+Each row is printed as soon as its process ends. Budget: a process running longer than
+:data:`ROW_BUDGET_S` is stopped and reported, not recorded (nor is the cached run after
+it); no process runs past :data:`RUN_BUDGET_S` from the start of a shape's measurement, and
+the rows not reached by then are named. Either family thus fits an 8-minute call.
 """
 
 from __future__ import annotations
@@ -28,11 +35,16 @@ import torch
 
 from kdn_compile.bench.timing import CheckFailed, Shape, relative_error
 
-TITLE = ("Cold start: first forward+backward in a new process, empty caches and cached, "
-         "K = V = 128, bf16 (ms)")
+TITLE = ("Cold start of the ops: first forward+backward in a new process, empty caches and "
+         "cached, K = V = 128, bf16 (ms)")
 DEFAULT_SHAPES = (Shape(1, 4096, 16),)
-CASES = ("gdn", "kda", "kdn", "gdn layer", "kda layer", "kdn layer")
+OP_CASES = ("gdn", "kda", "kdn")
+LAYER_CASES = ("gdn layer", "kda layer", "kdn layer")
+CASES = OP_CASES + LAYER_CASES
 FLA_CASES = ("gdn", "kda", "gdn layer", "kda layer")
+ROW_BUDGET_S = 180  # one process (first call from empty caches, or cached) is stopped after this
+RUN_BUDGET_S = 420  # no process runs past this many seconds from the start of :func:`measure`
+_clock = time.monotonic
 TOLERANCE = 3e-2  # bf16 against the float64 reference, as the ``layers`` family
 PLOT_IMPLS = ()  # no plots: compile time hardly depends on the shape
 _RESULT = "coldstart result: "
@@ -118,12 +130,18 @@ def first_step(case: str, impl: str, shape: Shape) -> dict:
     return {"seconds": seconds, "error": error}
 
 
-def _in_new_process(case: str, impl: str, shape: Shape, caches: str) -> dict:
+def _in_new_process(case: str, impl: str, shape: Shape, caches: str,
+                    timeout: float) -> dict | None:
+    """:func:`first_step` in a new process on ``caches``; None when it ran past ``timeout``
+    seconds (it is then stopped)."""
     env = dict(os.environ, TRITON_CACHE_DIR=os.path.join(caches, "triton"),
                TORCHINDUCTOR_CACHE_DIR=os.path.join(caches, "inductor"))
-    done = subprocess.run(
-        [sys.executable, "-m", "kdn_compile.bench.coldstart", case, impl, str(shape)],
-        env=env, capture_output=True, text=True, check=False)
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "kdn_compile.bench.coldstart", case, impl, str(shape)],
+            env=env, capture_output=True, text=True, check=False, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return None
     lines = [ln for ln in done.stdout.splitlines() if ln.startswith(_RESULT)]
     if done.returncode or not lines:
         raise RuntimeError(f"coldstart {case} ({impl}) failed with exit code "
@@ -137,26 +155,48 @@ def check(against_fla: bool) -> dict[str, float]:
     return {}
 
 
-def measure(shape: Shape, against_fla: bool) -> list[dict]:
-    """Per case and implementation, one process on empty caches, then one on its caches.
+def _pairs(cases: tuple[str, ...], against_fla: bool) -> list[tuple[str, str]]:
+    """``(case, impl)`` in the order measured: each case, ours then FLA's where it has one."""
+    impls = ("ours", "FLA") if against_fla else ("ours",)
+    return [(case, impl) for case in cases for impl in impls
+            if impl == "ours" or case in FLA_CASES]
+
+
+def measure(shape: Shape, against_fla: bool, cases: tuple[str, ...] = OP_CASES) -> list[dict]:
+    """Per case of ``cases`` and implementation, one process on empty caches, then one on
+    its caches, each row printed as it ends, within :data:`ROW_BUDGET_S` a process and
+    :data:`RUN_BUDGET_S` in all (see the module's description).
 
     Raises:
         CheckFailed: one of our first outputs is further than ``TOLERANCE`` from the
             reference.
     """
-    rows = []
-    impls = ("ours", "FLA") if against_fla else ("ours",)
-    for case in CASES:
-        for impl in impls:
-            if impl == "FLA" and case not in FLA_CASES:
-                continue
-            with tempfile.TemporaryDirectory(prefix="kdn-coldstart-") as caches:
-                for label in (impl, f"{impl} cached"):
-                    got = _in_new_process(case, impl, shape, caches)
-                    if got["error"] is not None and not got["error"] <= TOLERANCE:
-                        raise CheckFailed(f"coldstart {case}: relative error {got['error']:.2e} "
-                                          f"above {TOLERANCE:g}")
-                    rows.append({"case": case, "impl": label, "ms": 1e3 * got["seconds"]})
+    rows, start = [], _clock()
+    pairs = _pairs(cases, against_fla)
+    print(f"coldstart {shape}: {2 * len(pairs)} processes, each stopped after {ROW_BUDGET_S} s, "
+          f"none past {RUN_BUDGET_S} s", flush=True)
+    for index, (case, impl) in enumerate(pairs):
+        left = RUN_BUDGET_S - (_clock() - start)
+        if left <= 0:
+            print(f"coldstart {shape}: the {RUN_BUDGET_S} s budget is spent; not timed: "
+                  + ", ".join(f"{c} ({i})" for c, i in pairs[index:]), flush=True)
+            break
+        with tempfile.TemporaryDirectory(prefix="kdn-coldstart-") as caches:
+            for label in (impl, f"{impl} cached"):
+                timeout = min(ROW_BUDGET_S, RUN_BUDGET_S - (_clock() - start))
+                got = _in_new_process(case, impl, shape, caches, timeout) if timeout > 0 else None
+                if got is None:
+                    why = (f"stopped after {timeout:.0f} s" if timeout > 0
+                           else f"the {RUN_BUDGET_S} s budget is spent")
+                    print(f"coldstart {case} {label} {shape}: not recorded, {why}", flush=True)
+                    break
+                if got["error"] is not None and not got["error"] <= TOLERANCE:
+                    raise CheckFailed(f"coldstart {case}: relative error {got['error']:.2e} "
+                                      f"above {TOLERANCE:g}")
+                rows.append({"case": case, "impl": label, "ms": 1e3 * got["seconds"]})
+                checked = "" if got["error"] is None else f", {got['error']:.1e} from float64"
+                print(f"coldstart {case} {label} {shape}: {got['seconds']:.1f} s{checked}",
+                      flush=True)
     return rows
 
 

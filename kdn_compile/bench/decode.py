@@ -116,14 +116,44 @@ def check(against_fla: bool) -> dict[str, float]:
     return require_close(errors, TOLERANCE, "decode")
 
 
-def _rows(case: str, fns: dict[str, Callable], bytes_moved: int | None) -> list[dict]:
+def _rows(case: str, fns: dict[str, Callable], bytes_moved: int | None, *, eager: bool = True,
+          on_row: Callable[[dict], object] | None = None) -> list[dict]:
     rows = []
     for impl, fn in fns.items():
-        for name, timed in ((impl, fn), (f"{impl} graph", graphed(fn))):
-            row = {"case": case, "impl": name, "ms": median_ms(timed)}
+        timed = ((impl, fn),) if eager else ()
+        for name, call in (*timed, (f"{impl} graph", graphed(fn))):
+            row = {"case": case, "impl": name, "ms": median_ms(call)}
             if bytes_moved and name.endswith("graph"):
                 row["GBps"] = bytes_moved / row["ms"] / 1e6
             rows.append(row)
+            if on_row is not None:
+                on_row(row)
+    return rows
+
+
+def pool_rows(shape: Shape, against_fla: bool, slots: torch.Tensor | None = None, *,
+              pools: tuple[str, ...] = tuple(POOLS), eager: bool = True,
+              on_row: Callable[[dict], object] | None = None) -> list[dict]:
+    """GDN then KDA ``delta_rule_decode`` over each pool dtype of ``pools`` (names of
+    :data:`POOLS`) at ``shape``, and FLA's recurrent kernels beside the float32 pools with
+    ``against_fla``: ``"<op> <pool> pool"`` rows, each call eager (unless ``eager`` is
+    false) and replayed from a CUDA graph; ``slots`` (default: a random order of the pool)
+    names the rows' slots; ``on_row(row)`` as each row is measured."""
+    rows = []
+    if slots is None:
+        slots = torch.randperm(shape.batch, device="cuda")
+    for per_key in (False, True):
+        op = "KDA" if per_key else "GDN"
+        x = _inputs(shape, per_key)
+        for name in pools:
+            dtype = POOLS[name]
+            pool, scales, _ = _pool(shape.batch, shape.heads, dtype)
+            fns = {"ours": lambda p=pool, s=scales: kdn_compile.delta_rule_decode(
+                *x.values(), p, slots, pool_scales=s)}
+            if against_fla and dtype == torch.float32:
+                fns["FLA"] = _fla(per_key, x, pool.clone())
+            rows += _rows(f"{op} {name} pool", fns, _state_bytes(shape, dtype), eager=eager,
+                          on_row=on_row)
     return rows
 
 
@@ -163,18 +193,8 @@ def _layer_rows(shape: Shape) -> list[dict]:
 
 
 def measure(shape: Shape, against_fla: bool) -> list[dict]:
-    rows = []
     slots = torch.randperm(shape.batch, device="cuda")
-    for per_key in (False, True):
-        op = "KDA" if per_key else "GDN"
-        x = _inputs(shape, per_key)
-        for name, dtype in POOLS.items():
-            pool, scales, _ = _pool(shape.batch, shape.heads, dtype)
-            fns = {"ours": lambda p=pool, s=scales: kdn_compile.delta_rule_decode(
-                *x.values(), p, slots, pool_scales=s)}
-            if against_fla and dtype == torch.float32:
-                fns["FLA"] = _fla(per_key, x, pool.clone())
-            rows += _rows(f"{op} {name} pool", fns, _state_bytes(shape, dtype))
+    rows = pool_rows(shape, against_fla, slots)
     q, k, v, log_alpha, omega, r = _kdn_inputs(shape)
     memory, _, _ = _pool(shape.batch, shape.heads, torch.float32)
     precision = torch.rand(shape.batch, shape.heads, HEAD_DIM, device="cuda") + 0.5

@@ -37,8 +37,9 @@ def _impls(against_fla: bool) -> dict:
     return {"ours": ours, **({"FLA": fla()} if against_fla else {})}
 
 
-def measure(shape: Shape, against_fla: bool) -> list[dict]:
-    return _delta.measure(shape, _impls(against_fla), per_key=True)
+def measure(shape: Shape, against_fla: bool, on_row=None) -> list[dict]:
+    """Forward and forward+backward rows at ``shape``; ``on_row(row)`` as each is measured."""
+    return _delta.measure(shape, _impls(against_fla), per_key=True, on_row=on_row)
 
 
 def profile_steps(shape: Shape, against_fla: bool) -> dict:

@@ -63,9 +63,10 @@ def check(against_fla: bool) -> dict[str, float]:
     return require_close(errors, _delta.TOLERANCE, "kdn")
 
 
-def measure(shape: Shape, against_fla: bool) -> list[dict]:
+def measure(shape: Shape, against_fla: bool, on_row=None) -> list[dict]:
+    """Forward and forward+backward rows at ``shape``; ``on_row(row)`` as each is measured."""
     return time_forward_backward(lambda seed: make_inputs(shape, seed),
-                                 {"ours": ours, "chunk_kda": kda})
+                                 {"ours": ours, "chunk_kda": kda}, on_row=on_row)
 
 
 def profile_steps(shape: Shape, against_fla: bool) -> dict:

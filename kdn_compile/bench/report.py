@@ -106,25 +106,27 @@ def describe(meta: dict, command: str) -> str:
             "milliseconds are triton.testing.do_bench medians")
 
 
-def markdown(sections: Sequence[tuple[str, Sequence[dict]]], meta: dict, command: str) -> str:
-    """The results page: the run's description, then ``### title`` and a table per family."""
+def markdown(sections: Sequence[tuple[str, Sequence[dict]]], meta: dict, command: str,
+             extra: str = "") -> str:
+    """The results page: the run's description, then ``### title`` and a table per family,
+    then ``extra`` (markdown) if any."""
     parts = [describe(meta, command)]
     for title, rows in sections:
         parts += [f"### {title}", table(rows)]
-    return "\n\n".join(parts) + "\n"
+    return "\n\n".join(parts + ([extra] if extra else [])) + "\n"
 
 
 def write(out_dir: str, sections: Sequence[tuple[str, Sequence[dict]]], meta: dict,
-          command: str) -> list[str]:
-    """Writes ``rows.json`` (every row with the metadata) and ``results.md`` under
-    ``out_dir`` (created if missing); returns the paths."""
+          command: str, extra: str = "") -> list[str]:
+    """Writes ``rows.json`` (every row with the metadata) and ``results.md`` (with
+    ``extra`` after the tables) under ``out_dir`` (created if missing); returns the paths."""
     os.makedirs(out_dir, exist_ok=True)
     rows = [dict(row, **meta) for _, family in sections for row in family]
     paths = [os.path.join(out_dir, "rows.json"), os.path.join(out_dir, "results.md")]
     with open(paths[0], "w") as f:
         json.dump(rows, f, indent=1)
     with open(paths[1], "w") as f:
-        f.write(markdown(sections, meta, command))
+        f.write(markdown(sections, meta, command, extra))
     return paths
 
 

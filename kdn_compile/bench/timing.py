@@ -146,18 +146,24 @@ def summarize_kernels(events, steps: int) -> list[dict]:
 
 def time_forward_backward(make: Callable[[int], Sequence[torch.Tensor]],
                           impls: dict[str, Callable[..., Sequence[torch.Tensor]]],
-                          grad_index: int = 2) -> list[dict]:
+                          grad_index: int = 2,
+                          on_row: Callable[[dict], object] | None = None) -> list[dict]:
     """Rows ``{"case": "fwd" | "fwd+bwd", "impl", "ms"[, "peak_mib"]}`` for each of
     ``impls`` on the inputs ``make(seed)``: the forward over rotating input sets, then
     forward+backward from a random gradient shaped as input ``grad_index`` (the first
-    output's shape), with its peak memory."""
+    output's shape), with its peak memory. ``on_row(row)`` is called as each row is
+    measured."""
     rows = []
+
+    def add(row):
+        rows.append(row)
+        if on_row is not None:
+            on_row(row)
     for impl, fn in impls.items():
-        rows.append({"case": "fwd", "impl": impl, "ms": median_ms(rotating(make, fn))})
+        add({"case": "fwd", "impl": impl, "ms": median_ms(rotating(make, fn))})
         inputs = make(0)
         step = fwd_bwd(fn, inputs, torch.randn_like(inputs[grad_index]))
-        rows.append({"case": "fwd+bwd", "impl": impl, "ms": median_ms(step),
-                     "peak_mib": peak_mib(step)})
+        add({"case": "fwd+bwd", "impl": impl, "ms": median_ms(step), "peak_mib": peak_mib(step)})
         del inputs, step
         torch.cuda.empty_cache()
     return rows
@@ -173,27 +179,61 @@ def fla_version() -> str | None:
     return None
 
 
-def source_commit(folder: str) -> str:
-    """The git commit of the checkout holding ``folder``, with ``+dirty`` when its tracked
-    files differ from it (the timed code is then not that commit's), or ``"unknown"``."""
+def source_commit(package_dir: str) -> str:
+    """The git commit of the checkout whose tree holds the package in ``package_dir``, with
+    ``+dirty`` when the checkout's tracked files differ from it (the timed code is then not
+    that commit's).
+
+    The checkout is the git repository around ``package_dir`` only where that repository's
+    ``HEAD`` holds ``package_dir/__init__.py``: a copy unpacked (or installed) inside another
+    repository is not that repository's code. Otherwise :func:`installed_version`'s
+    ``"unknown (kdn-compile 0.1.0)"`` when the package is an installed distribution's,
+    else ``"unknown"``.
+    """
+    package_dir = os.path.realpath(package_dir)
+
     def git(*args):
-        return subprocess.run(["git", *args], cwd=folder, capture_output=True, text=True,
+        return subprocess.run(["git", *args], cwd=package_dir, capture_output=True, text=True,
                               timeout=10)
+    commit = ""
     try:
-        commit = git("rev-parse", "--short", "HEAD").stdout.strip()
+        top = git("rev-parse", "--show-toplevel").stdout.strip()
+        if top:
+            init = os.path.relpath(os.path.join(package_dir, "__init__.py"), os.path.realpath(top))
+            if git("cat-file", "-e", f"HEAD:{init.replace(os.sep, '/')}").returncode == 0:
+                commit = git("rev-parse", "--short", "HEAD").stdout.strip()
         if commit and git("diff", "--quiet", "HEAD", "--").returncode == 1:
             commit += "+dirty"
     except (OSError, subprocess.TimeoutExpired):
         commit = ""
-    return commit or "unknown"
+    if commit:
+        return commit
+    version = installed_version(package_dir)
+    return f"unknown ({version})" if version else "unknown"
+
+
+def installed_version(package_dir: str, distribution: str = "kdn-compile") -> str | None:
+    """``"kdn-compile 0.1.0"`` when the installed ``distribution``'s files hold the package in
+    ``package_dir`` (not some other copy of it), else None."""
+    try:
+        dist = importlib.metadata.distribution(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    name = os.path.basename(os.path.realpath(package_dir))
+    located = os.path.realpath(str(dist.locate_file(os.path.join(name, "__init__.py"))))
+    if located != os.path.realpath(os.path.join(package_dir, "__init__.py")):
+        return None
+    return f"{distribution} {dist.version}"
 
 
 def run_metadata() -> dict[str, str]:
-    """GPU name, torch / triton / FLA versions, git commit of the checkout
+    """GPU name, torch / triton / FLA versions, the commit of the imported ``kdn_compile``
     (:func:`source_commit`) and the UTC time."""
     import triton
 
-    commit = source_commit(os.path.dirname(os.path.abspath(__file__)))
+    import kdn_compile
+
+    commit = source_commit(os.path.dirname(os.path.abspath(kdn_compile.__file__)))
     return {
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,
