@@ -212,8 +212,10 @@ GPU_CASES = [
     # dtype and tolerance, B, T, Hk, Hv, K, V, cu_seqlens, gate_scale
     pytest.param(*BF16, 2, 1000, 2, 4, 128, 128, None, 1.0, id="bf16-grouped"),
     pytest.param(*FP32, 2, 1000, 2, 4, 128, 128, None, 1.0, id="fp32-grouped", marks=slow),
-    pytest.param(*BF16, 1, 32768, 1, 2, 128, 128, None, 0.05, id="bf16-T32768-gates-near-zero", marks=slow),
-    pytest.param(*FP32, 1, 8192, 1, 1, 128, 128, None, 0.05, id="fp32-T8192-gates-near-zero", marks=slow),
+    pytest.param(*BF16, 1, 32768, 1, 2, 128, 128, None, 0.05, id="bf16-T32768-gates-near-zero",
+                 marks=slow),
+    pytest.param(*FP32, 1, 8192, 1, 1, 128, 128, None, 0.05, id="fp32-T8192-gates-near-zero",
+                 marks=slow),
     pytest.param(*BF16, 1, 3000, 2, 2, 64, 64, [0, 5, 700, 701, 2999, 3000], 20.0,
                  id="bf16-varlen-strong-gates"),
     pytest.param(*FP32, 1, 3000, 2, 2, 64, 64, [0, 5, 700, 701, 2999, 3000], 20.0,
@@ -222,7 +224,8 @@ GPU_CASES = [
     pytest.param(*FP32, 1, 300, 1, 1, 32, 128, None, 1.0, id="fp32-K32-V128", marks=slow),
     # sizes where Triton 3.6 miscompiles some launch configurations on Hopper (full tier)
     pytest.param(*BF16, 2, 300, 1, 2, 256, 256, None, 1.0, id="bf16-K256-V256", marks=slow),
-    pytest.param(*HALF, 1, 500, 2, 2, 32, 16, [0, 100, 500], 1.0, id="fp16-K32-V16-varlen", marks=slow),
+    pytest.param(*HALF, 1, 500, 2, 2, 32, 16, [0, 100, 500], 1.0, id="fp16-K32-V16-varlen",
+                 marks=slow),
     pytest.param(*BF16, 1, 300, 1, 1, 16, 64, None, 1.0, id="bf16-K16-V64", marks=slow),
     pytest.param(*HALF, 1, 300, 1, 1, 256, 128, None, 1.0, id="fp16-K256-V128", marks=slow),
     pytest.param(*BF16, 1, 300, 1, 1, 64, 16, None, 1.0, id="bf16-K64-V16", marks=slow),
