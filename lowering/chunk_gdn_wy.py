@@ -293,6 +293,19 @@ def gdn_wy_operands_fwd(k, v, g, beta, cu_seqlens, *, chunk_size):
     return w, u, gc, ai
 
 
+def operands_bwd_config(k_dim: int, v_dim: int, dtype: torch.dtype) -> tuple[int, int, int]:
+    """``(BV, num_stages, num_warps)`` of ``_chunk_gdn_wy_bwd_kernel``.
+
+    Two pipeline stages over the value tiles: with one stage (the grad kernel's
+    :func:`~.chunk_gdn_bwd.grad_config`, BV 16, 4 warps) Triton 3.6's sm_90 code for bf16
+    at K = V = 128 reads shared memory out of bounds in the value loop (compute-sanitizer on
+    the H200: an illegal memory access). With half inputs and a head size below 64, 2 warps,
+    as ``grad_config`` (Triton 3.6 miscompiles 4 or 8 warps there on Hopper).
+    """
+    half = dtype != torch.float32
+    return min(v_dim, 32), 2, 2 if half and min(k_dim, v_dim) < 64 else 4
+
+
 def gdn_wy_operands_bwd(k, v, g, beta, cu_seqlens, dw, du, *, chunk_size, prepared=None):
     """Gradients of :func:`gdn_wy_operands_fwd` for ``dw`` (like ``W``) and ``du`` (like
     ``U``): ``(dk, dv, dg, dbeta)`` in the dtypes of ``k, v, g, beta``. ``prepared``: its
@@ -308,7 +321,7 @@ def gdn_wy_operands_bwd(k, v, g, beta, cu_seqlens, dw, du, *, chunk_size, prepar
     dv = torch.empty_like(v)
     dg = torch.empty(g.shape, dtype=torch.float32, device=g.device)
     dbeta = torch.empty_like(beta)
-    tile, stages, warps = grad_config(dk_, dv_, k.dtype)
+    tile, stages, warps = operands_bwd_config(dk_, dv_, k.dtype)
     wrap_triton(_chunk_gdn_wy_bwd_kernel)[(bound, hv)](
         k, v, gc, beta, ai, dw, du, dk, dv, dg, dbeta, spans, length,
         H=hv, HK=hk, K=dk_, V=dv_, BT=CHUNK, BV=tile, IS_VARLEN=cu_seqlens is not None,
