@@ -36,7 +36,7 @@ from .chunk_gdn_bwd import (
     sum_groups,
 )
 from .chunk_gdn_fwd import (
-    CHUNK, _recurrence, _scale, gdn_kernel_supports, gdn_layout, gdn_prepare,
+    CHUNK, _recurrence, _scale, gdn_kernel_covers, gdn_layout, gdn_prepare,
     gdn_recompute_states, qdq_tile_width, require_gdn_kernels,
 )
 
@@ -56,9 +56,8 @@ def gdn_wy_kernel_supports(q, k, w, u, g, initial_state, cu_seqlens, chunk_size,
     ``gdn_kernel_supports`` covers.)"""
     if w.dtype not in _OPERAND_DTYPES or u.dtype not in _OPERAND_DTYPES:
         return False
-    return gdn_kernel_supports(
-        q, k, u.new_empty((0, 0, 0, u.shape[-1]), dtype=q.dtype), g, g, initial_state,
-        cu_seqlens, chunk_size, state_qdq=state_qdq, state_qdq_block_v=state_qdq_block_v)
+    return gdn_kernel_covers(q, k, u.shape[-1], (g, initial_state), chunk_size,
+                             state_qdq=state_qdq, state_qdq_block_v=state_qdq_block_v)
 
 
 def _require(q, k, w, u, g, initial_state, cu_seqlens, chunk_size, **qdq) -> None:
