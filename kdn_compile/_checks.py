@@ -199,6 +199,19 @@ def num_sequences(batch: int, cu_seqlens) -> int:
     return batch if cu_seqlens is None else cu_seqlens.shape[0] - 1
 
 
+def sequence_of(bounds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """The packed sequence holding each of ``positions`` (token indices, >= 0): ``n`` with
+    ``bounds[n] <= t < bounds[n + 1]``, ``N`` for ``t`` at or past the end.
+
+    ``bounds`` is ``cu_seqlens`` (its first entry 0) as int64. The search runs over the
+    whole of it, not over ``bounds[1:]``: Inductor's ``searchsorted`` lowering of torch
+    2.11 asks its boundaries for their strides, which a slice of a computed tensor does
+    not have while it lowers (``NotImplementedError: SliceView`` under ``torch.compile``
+    on CUDA).
+    """
+    return torch.searchsorted(bounds, positions, right=True) - 1
+
+
 def check_delta_inputs(
     q, k, v, g, beta, *, initial_state=None, cu_seqlens=None, state_v_first=False,
     gate: str = "any", chunk_size=NOT_CHUNKED,

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from kdn_compile._checks import check_cu_seqlens, check_tensor
+from kdn_compile._checks import check_cu_seqlens, check_tensor, sequence_of
 from kdn_compile.reference.context import carry_mask
 
 
@@ -61,8 +61,7 @@ class SliceLayout:
         firsts = torch.arange(world, device=q.device) * self.length  # each rank's first token
         # carry_index[r]: the sequence holding rank r's first token; continues[r]: it began
         # on an earlier rank
-        self.carry_index = torch.searchsorted(bounds[1:], firsts, right=True).clamp_max(
-            self.sequences - 1)
+        self.carry_index = sequence_of(bounds, firsts).clamp_max(self.sequences - 1)
         self.continues = bounds[self.carry_index] < firsts
         # ended[r, n]: sequence n finished before rank r's first token (identity there)
         self.ended = (bounds[None, :-1] < firsts[:, None]) & (bounds[None, 1:] <= firsts[:, None])
@@ -113,8 +112,7 @@ class SliceLayout:
             first = (steps == 0)[None, :, None, None]
             start = covariance[:, None]
         else:
-            sequence = torch.searchsorted(self.local_bounds[1:], steps, right=True).clamp_max(
-                self.sequences - 1)
+            sequence = sequence_of(self.local_bounds, steps).clamp_max(self.sequences - 1)
             first = (steps == self.local_bounds[sequence]) & self.starts_here[sequence]
             first = first[None, :, None, None]
             start = covariance[sequence][None]

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from kdn_compile import fla
-from kdn_compile._checks import type_name
+from kdn_compile._checks import sequence_of, type_name
 
 __all__ = ["use_kdn", "LAYERS", "causal_conv1d"]
 
@@ -64,7 +64,7 @@ def causal_conv1d(hidden_states: torch.Tensor, weight: torch.Tensor,
     if cu_seq_lens_q is not None:
         starts = cu_seq_lens_q.to(device=x.device, dtype=torch.long)
         steps = torch.arange(length, device=x.device)
-        position = steps - starts[torch.searchsorted(starts[1:], steps, right=True)]
+        position = steps - starts[sequence_of(starts, steps)]
     y = 0
     for j in range(width):
         shift = width - 1 - j

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kdn_compile._checks import check_cu_seqlens, check_state, check_tensor, dims, fail
-from kdn_compile._checks import listed, num_sequences, shown
+from kdn_compile._checks import listed, num_sequences, sequence_of, shown
 
 
 class ShortConv(nn.Module):
@@ -95,7 +95,7 @@ class ShortConv(nn.Module):
         pool = torch.cat((cache.to(x.dtype).flatten(0, 1), x[0]))
         starts = cu_seqlens.to(torch.long)
         steps = torch.arange(x.shape[1], device=x.device)
-        sequence = torch.searchsorted(starts[1:], steps, right=True)
+        sequence = sequence_of(starts, steps)
         position = steps - starts[sequence]
 
         def row(seq, pos):

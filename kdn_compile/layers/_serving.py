@@ -19,7 +19,7 @@ import torch
 import kdn_compile.ops  # noqa: F401  (registers torch.ops.kdn)
 from kdn_compile._backend import prefer_kernels
 from kdn_compile._checks import check_cu_seqlens, check_pool, check_slot_indices, check_slot_values
-from kdn_compile._checks import check_tensor, dims, fail, listed, num_sequences, shown
+from kdn_compile._checks import check_tensor, dims, fail, listed, num_sequences, sequence_of, shown
 from kdn_compile.reference.fp8 import dequantize_state_fp8, quantize_state_fp8
 from kdn_compile.reference.pools import POOL_BLOCK_V, gather_slots
 from kdn_compile.serving import MAX_DECODE_TOKENS
@@ -65,7 +65,7 @@ def padding_mask(indices: torch.Tensor, x: torch.Tensor, cu_seqlens) -> torch.Te
     if cu_seqlens is None:
         return valid[:, None, None]
     steps = torch.arange(x.shape[1], device=x.device)
-    sequence = torch.searchsorted(cu_seqlens.to(torch.long)[1:], steps, right=True)
+    sequence = sequence_of(cu_seqlens.to(torch.long), steps)
     return valid[sequence][None, :, None]
 
 
