@@ -72,6 +72,8 @@ def pytest_collection_modifyitems(config, items):
 def seed(request) -> int:
     """A fresh random seed (``KDN_TEST_SEED`` replays one), printed if the test fails."""
     value = os.environ.get(SEED_VARIABLE)
+    if value and not value.isdigit():
+        raise pytest.UsageError(f"{SEED_VARIABLE} must be a non-negative integer, got {value!r}")
     value = int(value) if value else int.from_bytes(os.urandom(4), "little")
     request.node.kdn_seed = value
     return value
