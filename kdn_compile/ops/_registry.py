@@ -84,7 +84,7 @@ def refuse_double_backward(op_name: str, inputs: Sequence, grads: Sequence) -> t
 
 def saved_placeholders(like: torch.Tensor, n: int, heads: int) -> tuple[torch.Tensor, ...]:
     """``n`` empty tensors ``[heads, heads, heads, 0]`` in place of the saved outputs of a
-    ``kdn::<name>`` op on a branch that saves nothing (the reference, or a half that runs
+    ``kdn::<name>`` op on a path that saves nothing (the reference, or a half that runs
     its reference math).
 
     The kernels' saved tensors hold their heads on dim 0 (a flat per-chunk buffer), 1
