@@ -1,4 +1,4 @@
-"""Test session set-up: the tiers, the CUDA skip, seeds and global state.
+"""Test suite set-up: the tiers, the CUDA skip, seeds and global state.
 
 Tiers (markers registered here, the only place that knows them):
 

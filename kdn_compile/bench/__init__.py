@@ -12,7 +12,7 @@ time), ``results.md`` (the tables) and, where matplotlib is installed
 against batch.
 
 ``--quick`` (:mod:`kdn_compile.bench.quick`) is a speed guard: one recorded shape of each op
-family, timed in one process (about 3 minutes from empty caches) and judged against its row
+family, timed in one process (a 3-minute budget from empty caches) and judged against its row
 in ``docs/benchmarks.md`` (:mod:`kdn_compile.bench.recorded`); exit status 3 when one of
 ours is more than 5% slower than recorded.
 

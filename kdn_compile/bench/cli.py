@@ -48,7 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(torch.profiler) into profile.md, for the families that "
                              "support it (gdn, kda, kdn, layers, qat)")
     parser.add_argument("--quick", action="store_true",
-                        help="speed guard, about 3 minutes from empty caches: GDN, KDA and "
+                        help="speed guard, a 3-minute budget from empty caches: GDN, KDA and "
                              "Diag-KDN forward and forward+backward at 8x4096x16, GDN and KDA "
                              "decode over float32 pools at 256x1x32 (CUDA-graph replays), FLA "
                              "beside ours where installed, each compared with its row in "
