@@ -32,7 +32,7 @@ from torch.library import wrap_triton
 
 from ._launch import dot_precision, fixed_chunk, uncovered_inputs
 from .chunk_gdn_bwd import (
-    _decay, _start_state, floored_gate_grad, gdn_state_grads, grad_config, key_grads,
+    _decay, _start_state, chunk_warps, floored_gate_grad, gdn_state_grads, grad_config, key_grads,
     sum_groups,
 )
 from .chunk_gdn_fwd import (
@@ -287,7 +287,7 @@ def gdn_wy_operands_fwd(k, v, g, beta, cu_seqlens, *, chunk_size):
     wrap_triton(_chunk_gdn_wy_fwd_kernel)[(bound, hv)](
         k, v, gc, beta, ai, w, u, spans, length,
         H=hv, HK=hk, K=dk, V=dv, BT=CHUNK, BV=min(dv, 64), IS_VARLEN=cu_seqlens is not None,
-        DOT_PREC=dot_precision(k.dtype), num_warps=4,
+        DOT_PREC=dot_precision(k.dtype), num_warps=chunk_warps(dk, dv, k.dtype),
     )
     return w, u, gc, ai
 
@@ -298,11 +298,9 @@ def operands_bwd_config(k_dim: int, v_dim: int, dtype: torch.dtype) -> tuple[int
     Two pipeline stages over the value tiles: with one stage (the grad kernel's
     :func:`~.chunk_gdn_bwd.grad_config`, BV 16, 4 warps) Triton 3.6's sm_90 code for bf16
     at K = V = 128 reads shared memory out of bounds in the value loop (compute-sanitizer on
-    the H200: an illegal memory access). With half inputs and a head size below 64, 2 warps,
-    as ``grad_config`` (Triton 3.6 miscompiles 4 or 8 warps there on Hopper).
+    the H200: an illegal memory access). Warps: :func:`~.chunk_gdn_bwd.chunk_warps`.
     """
-    half = dtype != torch.float32
-    return min(v_dim, 32), 2, 2 if half and min(k_dim, v_dim) < 64 else 4
+    return min(v_dim, 32), 2, chunk_warps(k_dim, v_dim, dtype)
 
 
 def gdn_wy_operands_bwd(k, v, g, beta, cu_seqlens, dw, du, *, chunk_size, prepared=None):
