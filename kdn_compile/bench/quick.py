@@ -16,6 +16,10 @@ and implementation; each of our rows gets a verdict (:func:`~.recorded.verdict`)
 ``SLOWER`` (more than 5% above the recorded time) or ``no recorded row``. FLA's rows show
 its drift from its own recorded time: the noise of the machine. The exit status is
 :data:`SLOWER_EXIT` when any case is SLOWER.
+
+FLA's autotuning would take most of the budget on a cold machine: a run replays FLA's
+choices recorded for this GPU and these versions (:mod:`~kdn_compile.bench.fla_choices`),
+where they exist, and writes the choices it used to ``fla_choices.json`` beside its rows.
 """
 
 from __future__ import annotations
@@ -24,9 +28,10 @@ import importlib
 import importlib.util
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import NamedTuple
 
-from kdn_compile.bench import FAMILIES, recorded
+from kdn_compile.bench import FAMILIES, fla_choices, recorded
 from kdn_compile.bench.timing import Shape
 
 BUDGET_S = 180  # the whole run from empty Triton caches; the run says when it took longer
@@ -163,6 +168,11 @@ def run(args, command: str) -> int:
     page = recorded.read_page(path)
     print(f"quick: comparing with {path}" if page is not None else
           f"quick: {path} does not exist (--recorded PATH): no recorded rows", flush=True)
+    versions = {key: meta[key] for key in ("gpu", "fla", "triton")}
+    choices = Path(args.out) / "fla_choices.json"
+    if against:
+        print("quick: " + fla_choices.replay_file(
+            fla_choices.FOLDER / fla_choices.file_name(meta["gpu"]), versions), flush=True)
     sections, found = [], []
     for case in CASES:
         rows = []
@@ -178,10 +188,17 @@ def run(args, command: str) -> int:
         # written after every family: a run stopped later keeps what it finished
         paths = report.write(args.out, sections, meta, command,
                              extra=f"### Against {path}\n\n{verdict_table(found)}")
+        if against:
+            fla_choices.write(choices, versions)
+            paths.append(str(choices))
     print(f"\n{verdict_table(found)}\n", flush=True)
     print(summary(found), flush=True)
     elapsed = time.monotonic() - started
     print(f"quick: {elapsed:.0f} s" + ("" if elapsed <= BUDGET_S else
                                        f", over its {BUDGET_S} s budget"), flush=True)
     print("wrote " + ", ".join(paths), flush=True)
+    if against:
+        print(f"quick: {choices} holds FLA's autotuning choices of this run; a copy at "
+              f"{fla_choices.FOLDER / fla_choices.file_name(meta['gpu'])} is replayed by later "
+              "runs", flush=True)
     return SLOWER_EXIT if any(v["verdict"] == recorded.SLOWER for v in found) else 0
