@@ -231,14 +231,15 @@ def chunk_kda(
         g: ``[B, T, Hv, K]`` natural-log decay per token, value head and key channel,
             ``<= 0`` and finite. The Triton kernels floor it at ``-20`` per token (a
             state decayed by ``e^-20`` keeps under ``2e-9`` of itself, below float32
-            resolution; a ``-inf`` gate is floored too, where the references give
-            NaN); the references take it as is. Checked in debug mode only
+            resolution; a ``-inf`` gate is floored too); the chunked reference floors it
+            at ``GDN_GATE_FLOOR = -128`` and differences its in-chunk sums in float64, so
+            any gate ``<= 0`` is an exact hard reset there. Checked in debug mode only
             (:mod:`kdn_compile.debug`): positive gates summing past about ``+80``
             within a chunk overflow the kernels' factoring (NaN gradients). Float32
             limits, measured in the interpreter against float64: ``dg`` of channels
-            decaying by ``e^-8`` per token or faster loses relative accuracy, kernels
-            and reference alike (``4e-2`` kernels, ``8e-3`` reference near ``-10``; see
-            the limitations page); gates jumping from the floor to near zero within a
+            decaying by ``e^-8`` per token or faster loses relative accuracy in the
+            kernels (``4e-2`` near ``-10``; the reference keeps ``3e-7``; see the
+            limitations page); gates jumping from the floor to near zero within a
             chunk give errors up to ``~6e-4`` (the in-chunk cumulative decay rounds at
             ``|c| ~ 300``).
 

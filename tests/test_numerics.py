@@ -1,8 +1,8 @@
 """Numerics at the edges of the documented domain, against float64 token loops.
 
-GDN's chunked forms with hard resets (one or many very negative gates inside a chunk), the
-kernels in the interpreter as well as the reference; the gate gradient of fast-decaying
-channels; Diag-KDN's chunked reference with a tiny observation noise or a huge process noise.
+GDN's and KDA's chunked forms with hard resets (one or many very negative gates inside a
+chunk), the kernels in the interpreter as well as the references; the gate gradient of
+fast-decaying channels; Diag-KDN's chunked reference with a tiny observation noise or a huge process noise.
 """
 
 from __future__ import annotations
@@ -105,6 +105,59 @@ def test_gdn_reference_gate_gradient_fast_decay():
     (_, _, g64), (do, dstate) = _float64_truth(x)
     leaves = {n: t.detach().float().requires_grad_() for n, t in x.items()}
     o, state = ref.chunk_gdn_reference(**leaves)
+    (dg,) = torch.autograd.grad((o * do).sum() + (state * dstate).sum(), [leaves["g"]])
+    assert_close(dg, g64["g"], 1e-5, "dg")
+
+
+def _kda_case(resets: dict, T: int = 130, seed: int = 0) -> dict:
+    """Per-key gates: channels 0-3 of head 0 reset at the given tokens, the rest stay small."""
+    x = delta_inputs(B=1, T=T, Hk=1, Hv=2, K=16, V=16, per_key=True, seed=seed)
+    x["g"] = 0.1 * x["g"]
+    for t, value in resets.items():
+        x["g"][0, t, 0, :4] = value
+    return x
+
+
+@pytest.mark.parametrize("case", RESETS)
+def test_kda_reference_hard_resets_float32(case):
+    """The chunked KDA reference in float32 stays within 1e-4 of the float64 token loop for
+    any finite (or -inf) per-key gate <= 0: its cumulative gates are float64 and floored."""
+    _check_float32(_kda_case(RESETS[case]), ref.chunk_kda_reference, 1e-4)
+
+
+@pytest.mark.parametrize("gate", [-1e16, -1e300, -math.inf])
+def test_kda_reference_float64_matches_the_token_loop_through_a_huge_gate(gate, seed):
+    """In float64 the chunked KDA reference equals the token loop to rounding, for gates down
+    to just above the floor and through a huge gate at one token (all its channels)."""
+    x = delta_inputs(B=1, T=64, Hk=1, Hv=1, K=8, V=8, per_key=True, seed=seed)
+    x["g"][0, :, 0, 0] = torch.linspace(-GATE, 0.0, 64, dtype=torch.float64)
+    x["g"][0, 10] = gate
+    expected = ref.recurrent_delta_rule_reference(**x)
+    for found, truth, what in zip(ref.chunk_kda_reference(**x), expected, ("o", "state")):
+        assert_close(found, truth, 1e-12, what)
+
+
+@needs_kernels
+def test_kda_kernels_hard_resets_float32():
+    """The two-key kernels (forward and backward, gates floored at -20 as they are read) with
+    resets of every kind in one input (the interpreter: 4e-6 at worst, the final state)."""
+    import kdn_compile
+
+    resets = RESETS["huge"] | RESETS["many"] | {3: -math.inf, 5: -GATE}
+    x = {n: t.to("cuda" if CUDA else "cpu") for n, t in _kda_case(resets).items()}
+    with kdn_compile.use_backend("triton"):
+        _check_float32(x, kdn_compile.chunk_kda, 1e-4)
+
+
+def test_kda_reference_gate_gradient_fast_decay():
+    """``dg`` of channels decaying by e^-10 to e^-20 per token keeps float32 relative accuracy
+    in the KDA reference (its cumulative gates are float64)."""
+    x = _kda_case({})
+    x["g"] = -10.0 - 10.0 * torch.rand(x["g"].shape, generator=torch.Generator().manual_seed(2),
+                                       dtype=torch.float64)
+    (_, _, g64), (do, dstate) = _float64_truth(x)
+    leaves = {n: t.detach().float().requires_grad_() for n, t in x.items()}
+    o, state = ref.chunk_kda_reference(**leaves)
     (dg,) = torch.autograd.grad((o * do).sum() + (state * dstate).sum(), [leaves["g"]])
     assert_close(dg, g64["g"], 1e-5, "dg")
 

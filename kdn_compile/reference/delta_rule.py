@@ -147,10 +147,11 @@ def recurrent_delta_rule_reference(
 # ----------------------------------------------------------------------------
 # GDN in WY form: W = T (beta k e^G), U = T (beta v), T = (I + A)^-1.
 
-# The chunked GDN forms (these references and the Triton kernels) floor each gate here. Every
-# decay through a floored gate is below e^-128, zero in float32 (exp underflows below -104), so
-# float32 results do not change; the floor bounds the in-chunk cumulative sums that decays are
-# differenced from (|sum| <= 64 * 128 for 64-token chunks): in float64 they keep ~1e-12.
+# The chunked GDN forms (these references and the Triton kernels) and the chunked two-key
+# reference (KDA, Diag-KDN) floor each gate here. Every decay through a floored gate is below
+# e^-128, zero in float32 (exp underflows below -104), so float32 results do not change; the
+# floor bounds the in-chunk cumulative sums that decays are differenced from (|sum| <= 64 * 128
+# for 64-token chunks): in float64 they keep ~1e-12.
 GDN_GATE_FLOOR = -128.0
 
 
@@ -395,26 +396,32 @@ def two_key_chunk_recurrence(q, k, w, v, log_decay, state, *, scale, chunk_size)
     (``s < t``); ``o = scale ((q e^c) S + R X)`` with ``R`` the same weights read
     by ``q`` (``s <= t``); ``S <- e^{c_last} S + (w e^{c_last - c})^T X``.
     Shared by KDA (``w = beta k``) and Diag-KDN (``w`` = Kalman gain).
+
+    ``c`` is summed and differenced in float64 from ``log_decay`` floored at
+    :data:`GDN_GATE_FLOOR` (zero gradient below it): one huge finite gate would otherwise
+    swamp the later decays of its chunk in the working dtype. The decays go back to the
+    working dtype after ``exp``.
     """
     outputs = []
     chunk_size = int(chunk_size)  # an integral float (64.0) passes the argument checks
+    dtype = q.dtype
     for start in range(0, q.shape[2], chunk_size):
         chunk = slice(start, start + chunk_size)
         qc, kc, wc, vc = (t[:, :, chunk] for t in (q, k, w, v))
-        cumulative = log_decay[:, :, chunk].cumsum(2)
+        cumulative = log_decay[:, :, chunk].clamp_min(GDN_GATE_FLOOR).double().cumsum(2)
         size = qc.shape[2]
         causal = causal_mask(size, q.device, strict=False)
         difference = cumulative[:, :, :, None, :] - cumulative[:, :, None, :, :]
-        weights = torch.where(causal[..., None], difference, -math.inf).exp()
+        weights = torch.where(causal[..., None], difference, -math.inf).exp().to(dtype)
         weights = weights * wc[:, :, None, :, :]
         interaction = torch.einsum("bhtk,bhtsk->bhts", kc, weights)
         readout = torch.einsum("bhtk,bhtsk->bhts", qc, weights)
-        decay = cumulative.exp()
+        decay = cumulative.exp().to(dtype)
         innovation = torch.linalg.solve_triangular(
             interaction, vc - (decay * kc) @ state, upper=False, unitriangular=True
         )
         outputs.append(scale * ((qc * decay) @ state + readout @ innovation))
-        to_end = (cumulative[:, :, -1:] - cumulative).exp() * wc
+        to_end = (cumulative[:, :, -1:] - cumulative).exp().to(dtype) * wc
         state = state * decay[:, :, -1, :, None] + to_end.transpose(-1, -2) @ innovation
     if not outputs:
         return q.new_zeros(q.shape[:-1] + (v.shape[-1],)), state
