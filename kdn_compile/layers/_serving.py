@@ -204,7 +204,8 @@ class SlotCache:
         runs without autograd (``y`` carries no gradient).
 
         Args:
-            x: ``[B, T, D]`` activations in the parameters' dtype.
+            x: ``[B, T, D]`` activations in the parameters' dtype (checked outside
+                ``torch.autocast``, which casts the projections' operands).
             cache: the dict of :meth:`allocate_cache`, on ``x``'s device.
             state_indices: ``[N]`` int32/int64 slots on ``x``'s device, ``N = B`` (or
                 the packed sequences); non-negative ones distinct and ``< S`` (checked
@@ -217,7 +218,8 @@ class SlotCache:
             tokens (``T == 0``) or no rows the pools keep their values.
 
         Raises:
-            ValueError, TypeError: naming the argument: ``x`` not ``[B, T, D]``;
+            ValueError, TypeError: naming the argument: ``x`` not ``[B, T, D]`` or (a
+                TypeError) not in the parameters' dtype outside ``torch.autocast``;
                 ``cache`` not this layer's pools on ``x``'s device; ``state_indices``
                 of the wrong dtype, shape or device; ``cu_seqlens`` as in ``forward``.
         """

@@ -97,7 +97,9 @@ class GatedDeltaNet(SlotCache, nn.Module):
             ``state["conv"]``), a ``state`` made by a layer of another type or sizes
             (a KimiDeltaAttention state, say, though its tensors have the same shapes), or
             a dict with other keys.
-        TypeError (forward): ``x`` or ``state`` of the wrong type (a tensor as ``state``).
+        TypeError (forward, step): ``x`` or ``state`` of the wrong type (a tensor as
+            ``state``); ``x`` in another dtype than the parameters (``q_proj.weight``'s;
+            not checked under ``torch.autocast``).
     """
 
     gate_per_key = False  # KimiDeltaAttention: one decay per key channel

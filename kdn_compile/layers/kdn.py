@@ -77,7 +77,9 @@ class DiagKDN(SlotCache, nn.Module):
             shape this layer returns for these rows (the message names it, e.g.
             ``state["conv"]``), a ``state`` made by a layer of another type or sizes, or
             a dict with other keys.
-        TypeError (forward): ``x`` or ``state`` of the wrong type (a tensor as ``state``).
+        TypeError (forward, step): ``x`` or ``state`` of the wrong type (a tensor as
+            ``state``); ``x`` in another dtype than the parameters (``q_proj.weight``'s;
+            not checked under ``torch.autocast``).
     """
 
     def __init__(
