@@ -315,6 +315,12 @@ CASES = [
      r"state_indices must be int32 or int64, got torch.float32"),
     ("step-indices-shape", layer("gdn", "step", state_indices=torch.tensor([0])), VE,
      r"state_indices must be \[B\] = \(2,\), got \(1,\)"),
+    ("step-kda-cache-in-gdn", layer("gdn", "step", cache=lambda own: own.cache["kda"]), VE,
+     r"cache was allocated by KimiDeltaAttention\(hidden_size=16, num_heads=2, head_dim=4, "
+     r"num_v_heads=2, head_v_dim=4, conv_size=4\); this layer is GatedDeltaNet\("),
+    ("step-kdn-cache-in-kda", layer("kda", "step", cache=lambda own: own.cache["kdn"]), VE,
+     r"cache was allocated by DiagKDN\(hidden_size=16, num_heads=2, head_dim=4, head_v_dim=4, "
+     r"conv_size=4\); this layer is KimiDeltaAttention\("),
     ("step-x-float64", layer("gdn", "step", x=lambda own: own.x.double()), TE,
      r"x must be torch.float32, the dtype of this GatedDeltaNet's parameters, "
      r"got torch.float64"),

@@ -76,7 +76,9 @@ class GatedDeltaNet(SlotCache, nn.Module):
 
     Serving (:doc:`/serving`): ``allocate_cache(num_slots, *,
     state_dtype=torch.float32, device=None)`` makes the slot pools (``"conv"``,
-    ``"recurrent"`` and, for float8, ``"recurrent_scales"``), ``reset_cache(cache,
+    ``"recurrent"`` and, for float8, ``"recurrent_scales"``; a
+    :class:`~kdn_compile.layers.LayerCache` that records this layer's
+    ``state_signature``, which ``step`` and ``reset_cache`` check), ``reset_cache(cache,
     slots)`` frees slots for reuse and ``step(x, cache, state_indices,
     cu_seqlens=None) -> y`` advances the named slots in place: prompts through
     :func:`kdn_compile.chunk_gdn`, decode steps of up to 8 tokens through

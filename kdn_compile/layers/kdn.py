@@ -62,7 +62,9 @@ class DiagKDN(SlotCache, nn.Module):
     Serving (:doc:`/serving`): ``allocate_cache(num_slots, *,
     state_dtype=torch.float32, device=None)`` makes the slot pools (``"conv"``,
     ``"memory"`` float32 or bfloat16, ``"precision"`` float32 holding the learned
-    prior), ``reset_cache(cache, slots)`` frees slots for reuse and ``step(x, cache,
+    prior; a :class:`~kdn_compile.layers.LayerCache` that records this layer's
+    ``state_signature``, which ``step`` and ``reset_cache`` check),
+    ``reset_cache(cache, slots)`` frees slots for reuse and ``step(x, cache,
     state_indices, cu_seqlens=None) -> y`` advances the named slots in place: prompts
     through :func:`kdn_compile.diag_kdn`, decode steps of up to 8 tokens through
     :func:`kdn_compile.diag_kdn_decode`.
