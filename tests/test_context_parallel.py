@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -102,6 +103,20 @@ def test_emulated_diag_kdn_equals_one_device(world, cu_seqlens):
 
 
 # -- argument checks and the exchange ops, in a one-rank group ----------------------------
+
+
+@pytest.mark.parametrize("function", [kd.chunk_gdn, kd.chunk_kda, kd.diag_kdn],
+                         ids=lambda function: function.__name__)
+def test_same_cu_seqlens_on_every_rank_is_a_documented_unchecked_contract(function):
+    """Comparing the ranks' cu_seqlens would take a collective and a host sync on every call:
+    the docstrings and the distributed page say that every rank must pass the same ones and
+    that this is not checked."""
+    doc = " ".join(function.__doc__.split())
+    assert "Every rank must pass the same cu_seqlens (the same ``N`` and the same values)" in doc
+    assert "the ranks' tensors are not compared" in doc
+    assert "without an error" in doc
+    page = " ".join((Path(__file__).parent.parent / "docs" / "distributed.md").read_text().split())
+    assert "Every rank must pass the same `cu_seqlens`, and this is not checked." in page
 
 
 def test_needs_a_process_group():

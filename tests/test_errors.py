@@ -62,17 +62,19 @@ def zeros(*shape, dtype=torch.float64, **kw):
 
 
 class Layers:
-    """Tiny layers (D = 16) and a state from an eager call of each: the GDN and KDA
-    layers' states have the same keys and shapes."""
+    """Tiny layers (D = 16, float32), a state from an eager call of each and a serving
+    cache of each: the GDN and KDA layers' states and caches have the same keys and
+    shapes."""
 
     def __init__(self):
         torch.manual_seed(0)
         self.gdn, self.kda = GatedDeltaNet(16, 2, 4), KimiDeltaAttention(16, 2, 4)
         self.kdn = DiagKDN(16, 2, 4)
         self.x = torch.randn(2, 6, 16)
+        names = ("gdn", "kda", "kdn")
         with torch.no_grad():
-            self.state = {name: getattr(self, name)(self.x)[1] for name in ("gdn", "kda", "kdn")}
-        self.cache = self.gdn.allocate_cache(3)
+            self.state = {name: getattr(self, name)(self.x)[1] for name in names}
+        self.cache = {name: getattr(self, name).allocate_cache(3) for name in names}
 
 
 _LAYERS = []
@@ -85,14 +87,14 @@ def L() -> Layers:  # noqa: N802  (built on first use, shared by the cases)
 
 
 def layer(name, method="forward", **change):
-    """A call of one of the tiny layers (``step`` on the GDN layer's cache); a ``change``
+    """A call of one of the tiny layers (``step`` on that layer's cache); a ``change``
     given as a function is applied to :class:`Layers`."""
 
     def make():
         own = L()
         args = {"x": own.x}
         if method == "step":
-            args.update(cache=own.cache, state_indices=torch.tensor([0, 1]))
+            args.update(cache=own.cache[name], state_indices=torch.tensor([0, 1]))
         args.update({k: v(own) if callable(v) else v for k, v in change.items()})
         return getattr(getattr(own, name), method), args
 
@@ -296,6 +298,14 @@ CASES = [
     ("layer-kdn-memory", layer("kdn", state=lambda own: {**own.state["kdn"],
                                                          "memory": torch.zeros(2, 2, 4, 5)}), VE,
      r'state\["memory"\] must have shape \(2, 2, 4, 4\), got \(2, 2, 4, 5\)'),
+    ("layer-x-float64", layer("gdn", x=lambda own: own.x.double()), TE,
+     r"x must be torch.float32, the dtype of this GatedDeltaNet's parameters, "
+     r"got torch.float64"),
+    ("layer-kda-x-bfloat16", layer("kda", x=lambda own: own.x.bfloat16()), TE,
+     r"x must be torch.float32, the dtype of this KimiDeltaAttention's parameters, "
+     r"got torch.bfloat16"),
+    ("layer-kdn-x-float16", layer("kdn", x=lambda own: own.x.half()), TE,
+     r"x must be torch.float32, the dtype of this DiagKDN's parameters, got torch.float16"),
     # -- layers: step -------------------------------------------------------------------------
     ("step-x-rank", layer("gdn", "step", x=lambda own: own.x[0]), VE,
      r"x must be \[B, T, D\] \(3 dims\), got shape \(6, 16\)"),
@@ -305,6 +315,20 @@ CASES = [
      r"state_indices must be int32 or int64, got torch.float32"),
     ("step-indices-shape", layer("gdn", "step", state_indices=torch.tensor([0])), VE,
      r"state_indices must be \[B\] = \(2,\), got \(1,\)"),
+    ("step-kda-cache-in-gdn", layer("gdn", "step", cache=lambda own: own.cache["kda"]), VE,
+     r"cache was allocated by KimiDeltaAttention\(hidden_size=16, num_heads=2, head_dim=4, "
+     r"num_v_heads=2, head_v_dim=4, conv_size=4\); this layer is GatedDeltaNet\("),
+    ("step-kdn-cache-in-kda", layer("kda", "step", cache=lambda own: own.cache["kdn"]), VE,
+     r"cache was allocated by DiagKDN\(hidden_size=16, num_heads=2, head_dim=4, head_v_dim=4, "
+     r"conv_size=4\); this layer is KimiDeltaAttention\("),
+    ("step-x-float64", layer("gdn", "step", x=lambda own: own.x.double()), TE,
+     r"x must be torch.float32, the dtype of this GatedDeltaNet's parameters, "
+     r"got torch.float64"),
+    ("step-kda-x-bfloat16", layer("kda", "step", x=lambda own: own.x.bfloat16()), TE,
+     r"x must be torch.float32, the dtype of this KimiDeltaAttention's parameters, "
+     r"got torch.bfloat16"),
+    ("step-kdn-x-float16", layer("kdn", "step", x=lambda own: own.x.half()), TE,
+     r"x must be torch.float32, the dtype of this DiagKDN's parameters, got torch.float16"),
 ]
 
 

@@ -63,6 +63,25 @@ def test_bfloat16_output_with_float32_state(name):
     assert torch.isfinite(x.grad).all() and x.grad.abs().sum() > 0
 
 
+@pytest.mark.parametrize("name", sorted(LAYERS))
+def test_x_in_another_dtype_than_the_parameters(name, seed):
+    """Outside autocast ``x`` must be in the parameters' dtype (forward and step, a
+    TypeError naming ``x`` and both dtypes); under ``torch.autocast``, which casts the
+    projections' operands, a float32 layer takes bfloat16 ``x``, eagerly and compiled."""
+    layer = make_layer(name, torch.float32)
+    x = inputs(2, 11, torch.bfloat16, seed=seed)
+    message = rf"x must be torch.float32, the dtype of this {type(layer).__name__}'s parameters, "
+    with pytest.raises(TypeError, match=message + "got torch.bfloat16"):
+        layer(x)
+    with pytest.raises(TypeError, match=message + "got torch.float64"):
+        layer.step(x.double(), layer.allocate_cache(2), torch.tensor([0, 1]))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        y, _ = layer(x)
+        compiled, _ = torch.compile(layer, fullgraph=True, backend="eager")(x)
+    assert y.shape == (2, 11, D) and torch.isfinite(y.float()).all()
+    assert_close(compiled.float(), y.float(), 1e-2, f"{name} compiled under autocast")
+
+
 def test_grouped_value_heads_must_divide():
     with pytest.raises(ValueError, match="num_v_heads"):
         GatedDeltaNet(D, 3, 8, num_v_heads=4)

@@ -3,12 +3,14 @@ rows, reset, low-precision pools, ``torch.compile``, and the slot-writing op."""
 
 from __future__ import annotations
 
+import io
+
 import pytest
 import torch
 
 import kdn_compile
 from _helpers import assert_close, rel_error
-from kdn_compile.layers import DiagKDN, GatedDeltaNet, KimiDeltaAttention
+from kdn_compile.layers import DiagKDN, GatedDeltaNet, KimiDeltaAttention, LayerCache
 from kdn_compile.reference.pools import scatter_slots
 
 D = 24
@@ -275,6 +277,44 @@ def test_bad_arguments_are_rejected_by_name(name):
         layer.reset_cache(cache, [0.5])
     with pytest.raises(RuntimeError, match="slots must be < the pool's slots S"):
         layer.reset_cache(cache, [3])
+
+
+def test_cache_records_its_layer(seed):
+    """A cache names the layer that allocated it: ``step`` and ``reset_cache`` of a layer of
+    another type refuse it, though its pools have the same shapes (KDA's in a GDN layer of
+    the same sizes); a plain dict copy of the pools is taken; the record survives
+    ``torch.save`` and pytree maps."""
+    torch.manual_seed(seed)
+    gdn = GatedDeltaNet(D, 2, 8, head_v_dim=6, chunk_size=8)  # the KDA layer's sizes
+    kda, kdn = make_layer("kda", torch.float32, seed), make_layer("kdn", torch.float32, seed)
+    x, idx = inputs(2, 3, torch.float32, seed), torch.tensor([0, 2])
+    cache = kda.allocate_cache(3)
+    assert isinstance(cache, LayerCache) and cache.made_by == kda.state_signature
+    assert {k: v.shape for k, v in cache.items()} == {
+        k: v.shape for k, v in gdn.allocate_cache(3).items()}
+    refused = (r"cache was allocated by KimiDeltaAttention\(hidden_size=24, num_heads=2, "
+               r"head_dim=8, num_v_heads=2, head_v_dim=6, conv_size=4\); this layer is "
+               r"GatedDeltaNet\(hidden_size=24, num_heads=2, head_dim=8, num_v_heads=2, "
+               r"head_v_dim=6, conv_size=4\)")
+    before = clone(cache)
+    with torch.no_grad():
+        with pytest.raises(ValueError, match=refused):
+            gdn.step(x, cache, idx)
+        with pytest.raises(ValueError, match=refused):
+            gdn.reset_cache(cache, [0])
+        with pytest.raises(ValueError, match=r"cache was allocated by DiagKDN\(hidden_size=24, "
+                                             r".*\); this layer is KimiDeltaAttention\("):
+            kda.step(x, kdn.allocate_cache(3), idx)
+        for key in cache:
+            assert torch.equal(cache[key], before[key]), key
+        assert gdn.step(x, clone(cache), idx).shape == (2, 3, D)  # records no layer
+        buffer = io.BytesIO()
+        torch.save(cache, buffer)
+        buffer.seek(0)
+        for kept in (torch.load(buffer, weights_only=True),
+                     torch.utils._pytree.tree_map(torch.clone, cache)):
+            assert isinstance(kept, LayerCache) and kept.made_by == cache.made_by
+            assert kda.step(x, kept, idx).shape == (2, 3, D)
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -178,6 +178,14 @@ def test_no_such_layer_is_an_error():
         use_kdn(torch.nn.Linear(2, 2))
 
 
+@pytest.mark.parametrize("model,received", [(None, "NoneType"), (torch.zeros(2), "torch.Tensor"),
+                                            ("Qwen/Qwen3-Next-80B-A3B-Instruct", "str")])
+def test_a_model_that_is_not_a_module_is_a_type_error(model, received):
+    with pytest.raises(TypeError, match=rf"^use_kdn: model must be a torch\.nn\.Module, "
+                                        rf"got {received}$"):
+        use_kdn(model)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", MODELS)
 def test_logits_equal_transformers(name, device):

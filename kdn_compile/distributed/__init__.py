@@ -7,7 +7,8 @@
   :func:`chunk_gdn`, :func:`chunk_kda` and :func:`diag_kdn` take the single-device
   function's arguments plus ``group`` and run a sequence split along time across the
   group's ranks, through functional collectives inside ``kdn`` ops that
-  ``torch.compile`` traces.
+  ``torch.compile`` traces. Every rank must pass the same ``cu_seqlens`` (and initial
+  states); that is not checked across ranks (it would take a collective and a host sync).
 
 The math and the cost per rank are in :doc:`/distributed`.
 """

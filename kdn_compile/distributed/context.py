@@ -104,17 +104,26 @@ def _delta_rule(run, gate, q, k, v, g, beta, group, chunk_size, scale, initial_s
 _SHARED_DOC = """
     Every rank calls it with its own slice of the time axis: rank ``r`` of
     ``R = group.size()`` passes tokens ``[r L, (r + 1) L)`` of the same batch, ``L`` the
-    same on every rank (the global length is ``T = R L``).
+    same on every rank (the global length is ``T = R L``), and the same ``cu_seqlens``
+    and initial states as every other rank. That contract is not checked across ranks:
+    comparing them would take a collective and a host sync on every call.
 
     Args:
         group: the ``torch.distributed`` process group whose ranks share the sequence
             (None: the default group). It must be initialized.
         cu_seqlens: ``[N + 1]`` boundaries of packed sequences on the global axis
-            ``[0, T]`` (``B == 1``), the same tensor on every rank; a sequence may span
-            ranks, and a rank may hold pieces of several.
+            ``[0, T]`` (``B == 1``); a sequence may span ranks, and a rank may hold
+            pieces of several. Every rank must pass the same cu_seqlens (the same ``N``
+            and the same values). Each rank checks its own (int32/int64, start at 0,
+            never decrease, end at ``T``), but the ranks' tensors are not compared:
+            ranks whose boundaries differ chain their slices by different sequences and
+            return wrong outputs, and final states that differ from rank to rank,
+            without an error; a different ``N`` gives the exchange's all-gather tensors
+            of different sizes, which the backend may answer with an error, an abort of
+            the process (gloo) or a hang.
         initial_state, memory, precision: the states of the ``N`` sequences at their
             starts (``initial_state`` for GDN and KDA, ``memory`` and ``precision`` for
-            Diag-KDN), the same on every rank.
+            Diag-KDN), the same on every rank (not compared across ranks either).
         q, k, v, g, beta, log_alpha, omega, r: this rank's tokens, shaped as for the
             single-device function (with ``L`` for ``T``); the remaining arguments as
             there.
@@ -153,8 +162,9 @@ def chunk_gdn(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *,
 
     Raises:
         ValueError, TypeError: as :func:`kdn_compile.chunk_gdn`, with ``cu_seqlens``
-            checked against ``T = R L``; ValueError for ``state_qdq=True`` or a
-            ``w_quantizer``; TypeError for a ``group`` that is not a ProcessGroup.
+            checked against ``T = R L`` on each rank (not against the other ranks');
+            ValueError for ``state_qdq=True`` or a ``w_quantizer``; TypeError for a
+            ``group`` that is not a ProcessGroup.
         RuntimeError: no initialized process group.
 
     Source: the gated delta rule is affine in its state (:doc:`/math`), so the
@@ -183,8 +193,8 @@ def chunk_kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *,
 
     Raises:
         ValueError, TypeError: as :func:`kdn_compile.chunk_kda`, with ``cu_seqlens``
-            checked against ``T = R L``; TypeError for a ``group`` that is not a
-            ProcessGroup.
+            checked against ``T = R L`` on each rank (not against the other ranks');
+            TypeError for a ``group`` that is not a ProcessGroup.
         RuntimeError: no initialized process group.
 
     Source: as :func:`chunk_gdn`, with per-key decays (``A`` is a full ``[K, K]`` map).
@@ -250,8 +260,8 @@ def diag_kdn(q: Tensor, k: Tensor, v: Tensor, log_alpha: Tensor, omega: Tensor, 
 
     Raises:
         ValueError, TypeError: as :func:`kdn_compile.diag_kdn`, with ``cu_seqlens``
-            checked against ``T = R L``; TypeError for a ``group`` that is not a
-            ProcessGroup.
+            checked against ``T = R L`` on each rank (not against the other ranks');
+            TypeError for a ``group`` that is not a ProcessGroup.
         RuntimeError: no initialized process group.
 
     Source: the Diagonal KDN specification (:mod:`kdn_compile.reference.kdn`): the

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from kdn_compile import fla
-from kdn_compile._checks import sequence_of, type_name
+from kdn_compile._checks import fail, sequence_of, type_name
 
 __all__ = ["use_kdn", "LAYERS", "causal_conv1d"]
 
@@ -204,6 +204,8 @@ def use_kdn(model: torch.nn.Module) -> torch.nn.Module:
         torch.nn.Module: ``model`` itself.
 
     Raises:
+        TypeError: ``model`` is not a ``torch.nn.Module`` (None, a tensor, a model's
+            name), e.g. ``use_kdn: model must be a torch.nn.Module, got NoneType``.
         ValueError: ``model`` holds none of these layers.
         RuntimeError: the installed transformers' layer no longer calls the functions
             named in :data:`LAYERS`; a layer's instance already has a ``forward`` of its
@@ -218,6 +220,8 @@ def use_kdn(model: torch.nn.Module) -> torch.nn.Module:
         model = use_kdn(AutoModelForCausalLM.from_pretrained("Qwen/Qwen3-Next-80B-A3B-Instruct"))
         model = torch.compile(model, fullgraph=True)
     """
+    if not isinstance(model, torch.nn.Module):
+        fail(TypeError, f"use_kdn: model must be a torch.nn.Module, got {type_name(model)}")
     classes = {}
     for (module_name, class_name), replacements in LAYERS.items():
         # A layer can only exist once its modeling module is imported.

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kdn_compile._checks import check_cu_seqlens, check_state, check_tensor, dims, fail
+from kdn_compile._checks import _FLOATS, check_cu_seqlens, check_state, check_tensor, dims, fail
 from kdn_compile._checks import listed, num_sequences, sequence_of, shown
 
 
@@ -183,6 +183,27 @@ def work(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
+def check_input_dtype(layer: nn.Module, x: torch.Tensor) -> None:
+    """``x`` in the dtype of ``layer``'s parameters (its ``q_proj`` weight), which its
+    projections multiply ``x`` with.
+
+    Not checked under ``torch.autocast`` on ``x``'s device (the projections cast their
+    operands there) nor when that weight is not a float16, bfloat16, float32 or float64
+    tensor (a quantized projection). Reads dtypes only: no host sync, no graph break.
+
+    Raises:
+        TypeError: ``x`` in another dtype, naming both, e.g. ``x must be torch.float32,
+            the dtype of this GatedDeltaNet's parameters, got torch.float64``.
+    """
+    weight = getattr(layer.q_proj, "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.dtype not in _FLOATS:
+        return
+    if x.dtype != weight.dtype and not torch.is_autocast_enabled(x.device.type):
+        fail(TypeError, f"x must be {weight.dtype}, the dtype of this {type(layer).__name__}'s "
+                        f"parameters, got {x.dtype}: cast x (or the layer with .to), or run "
+                        "under torch.autocast")
+
+
 def convolved_qkv(layer: nn.Module, x: torch.Tensor, conv_cache, cu_seqlens, value_heads: int):
     """The q/k/v projections of ``layer`` through its short convolution, split into heads.
 
@@ -193,6 +214,7 @@ def convolved_qkv(layer: nn.Module, x: torch.Tensor, conv_cache, cu_seqlens, val
     Raises:
         ValueError: ``x`` is not ``[B, T, D]`` (an unbatched ``[T, D]``, say) with
             ``D`` the layer's ``hidden_size``.
+        TypeError: ``x`` not in the parameters' dtype (:func:`check_input_dtype`).
     """
     check_tensor("x", x, floating=False)
     if x.dim() != 3:
@@ -201,6 +223,7 @@ def convolved_qkv(layer: nn.Module, x: torch.Tensor, conv_cache, cu_seqlens, val
     if x.shape[-1] != hidden:
         fail(ValueError, f"x must be [B, T, D] with D = hidden_size = {hidden}, "
                          f"got shape {dims(x.shape)}")
+    check_input_dtype(layer, x)
     # before the packed convolution gathers rows by cu_seqlens
     check_cu_seqlens(cu_seqlens, x.shape[0], x.device, x.shape[1])
     # Three module calls, not one product on the stacked weights: that was 2% faster in

@@ -20,6 +20,7 @@ import kdn_compile.ops  # noqa: F401  (registers torch.ops.kdn)
 from kdn_compile._backend import prefer_kernels
 from kdn_compile._checks import check_cu_seqlens, check_pool, check_slot_indices, check_slot_values
 from kdn_compile._checks import check_tensor, dims, fail, listed, num_sequences, sequence_of, shown
+from kdn_compile.layers._state import LayerCache
 from kdn_compile.reference.fp8 import dequantize_state_fp8, quantize_state_fp8
 from kdn_compile.reference.pools import POOL_BLOCK_V, gather_slots
 from kdn_compile.serving import MAX_DECODE_TOKENS
@@ -104,7 +105,7 @@ class SlotCache:
         return "recurrent"
 
     def allocate_cache(self, num_slots: int, *, state_dtype: torch.dtype = torch.float32,
-                       device=None) -> dict[str, torch.Tensor]:
+                       device=None) -> LayerCache:
         """Zeroed pools for ``num_slots`` sequences, the layer's serving cache.
 
         Args:
@@ -114,7 +115,9 @@ class SlotCache:
             device: the pools' device (default: the layer's parameters').
 
         Returns:
-            A dict of contiguous pools, first dimension the slot, each marked with
+            A :class:`~kdn_compile.layers.LayerCache` (a dict that records this layer's
+            ``state_signature`` as ``made_by``) of contiguous pools, first dimension the
+            slot, each marked with
             :func:`torch._dynamo.mark_static_address` (CUDA graphs update them in place):
             ``"conv" [S, conv_size - 1, C]`` in the parameters' dtype, zeros; then
             :class:`GatedDeltaNet` / :class:`KimiDeltaAttention`: ``"recurrent"
@@ -139,12 +142,18 @@ class SlotCache:
                 pool = row.expand(num_slots, *row.shape).contiguous()
                 torch._dynamo.mark_static_address(pool)
                 cache[name] = pool
-        return cache
+        return LayerCache(self.state_signature, cache)
 
     def _check_cache(self, cache, device) -> int:
-        """The pools of ``cache`` as :meth:`allocate_cache` makes them; returns ``S``."""
+        """The pools of ``cache`` as :meth:`allocate_cache` makes them, allocated by a layer
+        of this type and sizes when ``cache`` records one; returns ``S``."""
         if not isinstance(cache, dict):
             fail(TypeError, f"cache must be the dict of allocate_cache, got {type(cache).__name__}")
+        made_by = getattr(cache, "made_by", None)
+        if made_by is not None and made_by != self.state_signature:
+            fail(ValueError, f"cache was allocated by {made_by}; this layer is "
+                             f"{self.state_signature}: pass the cache of this layer's "
+                             "allocate_cache")
         state = cache.get(self._state_key)
         dtype = state.dtype if isinstance(state, torch.Tensor) else None
         layout = self.pool_layout(dtype if dtype in self.state_dtypes else torch.float32)
@@ -169,8 +178,9 @@ class SlotCache:
                 possibly none); negative ones are skipped.
 
         Raises:
-            TypeError, ValueError: ``cache`` not such a dict; ``slots`` not ints
-                (RuntimeError on the device for a repeated or out-of-range slot).
+            TypeError, ValueError: ``cache`` not such a dict, or one allocated by a layer
+                of another type or sizes; ``slots`` not ints (RuntimeError on the device
+                for a repeated or out-of-range slot).
         """
         device = next(iter(cache.values())).device if isinstance(cache, dict) and cache else None
         count = self._check_cache(cache, device)
@@ -204,7 +214,8 @@ class SlotCache:
         runs without autograd (``y`` carries no gradient).
 
         Args:
-            x: ``[B, T, D]`` activations in the parameters' dtype.
+            x: ``[B, T, D]`` activations in the parameters' dtype (checked outside
+                ``torch.autocast``, which casts the projections' operands).
             cache: the dict of :meth:`allocate_cache`, on ``x``'s device.
             state_indices: ``[N]`` int32/int64 slots on ``x``'s device, ``N = B`` (or
                 the packed sequences); non-negative ones distinct and ``< S`` (checked
@@ -217,8 +228,12 @@ class SlotCache:
             tokens (``T == 0``) or no rows the pools keep their values.
 
         Raises:
-            ValueError, TypeError: naming the argument: ``x`` not ``[B, T, D]``;
-                ``cache`` not this layer's pools on ``x``'s device; ``state_indices``
+            ValueError, TypeError: naming the argument: ``x`` not ``[B, T, D]`` or (a
+                TypeError) not in the parameters' dtype outside ``torch.autocast``;
+                ``cache`` not this layer's pools on ``x``'s device, or (a ValueError)
+                allocated by a layer of another type or sizes (a KimiDeltaAttention
+                cache given to a GatedDeltaNet, though its pools have the same shapes);
+                ``state_indices``
                 of the wrong dtype, shape or device; ``cu_seqlens`` as in ``forward``.
         """
         check_tensor("x", x, floating=False)

@@ -1,4 +1,5 @@
-"""The layers' recurrent state: a dict of tensors that records the layer that made it."""
+"""The layers' recurrent state and serving cache: dicts of tensors that record the layer
+that made them."""
 
 from __future__ import annotations
 
@@ -49,6 +50,41 @@ pytree.register_pytree_node(
     serialized_type_name="kdn_compile.layers.LayerState",
 )
 torch.serialization.add_safe_globals([LayerState])
+
+
+class LayerCache(dict):
+    """The ``cache`` a layer's ``allocate_cache`` returns: a ``dict`` of slot pools
+    (``"conv"``, then ``"recurrent"`` and, for float8, ``"recurrent_scales"``, or
+    ``"memory"`` and ``"precision"``) that also records the layer that allocated it.
+
+    ``made_by`` is that layer's ``state_signature`` (its type and sizes, as
+    :class:`LayerState` records them); ``step`` and ``reset_cache`` refuse a cache
+    allocated by a layer of another type or sizes (``ValueError`` naming ``cache`` and
+    both layers), e.g. a KimiDeltaAttention cache given to a GatedDeltaNet whose pools
+    have the same shapes. It is a plain ``dict`` otherwise; a plain dict of pools (a copy,
+    ``{k: v.clone() for k, v in cache.items()}``) records no layer and is taken once its
+    keys, shapes, dtypes and device are checked. It is a pytree node (``made_by``
+    kept) and a safe global of ``torch.load``, as :class:`LayerState`.
+    """
+
+    def __init__(self, made_by: str, pools: dict):
+        super().__init__(pools)
+        self.made_by = made_by
+
+    def __reduce__(self):
+        return LayerCache, (self.made_by, dict(self))
+
+
+def _unflatten_cache(values, context) -> LayerCache:
+    made_by, keys = context
+    return LayerCache(made_by, dict(zip(keys, values)))
+
+
+pytree.register_pytree_node(
+    LayerCache, _flatten, _unflatten_cache, flatten_with_keys_fn=_flatten_with_keys,
+    serialized_type_name="kdn_compile.layers.LayerCache",
+)
+torch.serialization.add_safe_globals([LayerCache])
 
 
 def signature(layer, **sizes) -> str:

@@ -76,7 +76,9 @@ class GatedDeltaNet(SlotCache, nn.Module):
 
     Serving (:doc:`/serving`): ``allocate_cache(num_slots, *,
     state_dtype=torch.float32, device=None)`` makes the slot pools (``"conv"``,
-    ``"recurrent"`` and, for float8, ``"recurrent_scales"``), ``reset_cache(cache,
+    ``"recurrent"`` and, for float8, ``"recurrent_scales"``; a
+    :class:`~kdn_compile.layers.LayerCache` that records this layer's
+    ``state_signature``, which ``step`` and ``reset_cache`` check), ``reset_cache(cache,
     slots)`` frees slots for reuse and ``step(x, cache, state_indices,
     cu_seqlens=None) -> y`` advances the named slots in place: prompts through
     :func:`kdn_compile.chunk_gdn`, decode steps of up to 8 tokens through
@@ -97,7 +99,9 @@ class GatedDeltaNet(SlotCache, nn.Module):
             ``state["conv"]``), a ``state`` made by a layer of another type or sizes
             (a KimiDeltaAttention state, say, though its tensors have the same shapes), or
             a dict with other keys.
-        TypeError (forward): ``x`` or ``state`` of the wrong type (a tensor as ``state``).
+        TypeError (forward, step): ``x`` or ``state`` of the wrong type (a tensor as
+            ``state``); ``x`` in another dtype than the parameters (``q_proj.weight``'s;
+            not checked under ``torch.autocast``).
     """
 
     gate_per_key = False  # KimiDeltaAttention: one decay per key channel

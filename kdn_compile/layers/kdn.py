@@ -62,7 +62,9 @@ class DiagKDN(SlotCache, nn.Module):
     Serving (:doc:`/serving`): ``allocate_cache(num_slots, *,
     state_dtype=torch.float32, device=None)`` makes the slot pools (``"conv"``,
     ``"memory"`` float32 or bfloat16, ``"precision"`` float32 holding the learned
-    prior), ``reset_cache(cache, slots)`` frees slots for reuse and ``step(x, cache,
+    prior; a :class:`~kdn_compile.layers.LayerCache` that records this layer's
+    ``state_signature``, which ``step`` and ``reset_cache`` check),
+    ``reset_cache(cache, slots)`` frees slots for reuse and ``step(x, cache,
     state_indices, cu_seqlens=None) -> y`` advances the named slots in place: prompts
     through :func:`kdn_compile.diag_kdn`, decode steps of up to 8 tokens through
     :func:`kdn_compile.diag_kdn_decode`.
@@ -77,7 +79,9 @@ class DiagKDN(SlotCache, nn.Module):
             shape this layer returns for these rows (the message names it, e.g.
             ``state["conv"]``), a ``state`` made by a layer of another type or sizes, or
             a dict with other keys.
-        TypeError (forward): ``x`` or ``state`` of the wrong type (a tensor as ``state``).
+        TypeError (forward, step): ``x`` or ``state`` of the wrong type (a tensor as
+            ``state``); ``x`` in another dtype than the parameters (``q_proj.weight``'s;
+            not checked under ``torch.autocast``).
     """
 
     def __init__(
