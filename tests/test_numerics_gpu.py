@@ -1,4 +1,4 @@
-"""On CUDA: GDN's kernels with hard resets against float64, their local memory, Diag-KDN's
+"""On CUDA: GDN's and KDA's kernels with hard resets against float64, their local memory, Diag-KDN's
 kernels at extreme noise against float64, debug mode's device-side asserts, and the kernel
 ops under autocast. Skipped without CUDA.
 
@@ -73,6 +73,41 @@ def test_gdn_kernels_hard_resets_against_float64(dtype, tol, seed):
     for name in GRADS:
         assert_close(leaves[name].grad, expected[name].grad, tol, f"d{name} (seed {seed})")
     assert (leaves["g"].grad[x["g"] < ref.GDN_GATE_FLOOR] == 0).all()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 1e-2)],
+                         ids=["fp32", "bf16"])
+def test_kda_kernels_hard_resets_against_float64(dtype, tol, seed):
+    """KDA at B=2, T=512, H=4, K=V=128 with the same resets on half the key channels (the
+    others keep small gates): within ``tol`` of the float64 chunked reference (itself the
+    token loop's to 1e-12, ``test_numerics.py``); ``dg`` zero below the kernels' floor."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    x = _reset_inputs(2, 512, 4, 128, 128, seed)
+    gen = torch.Generator().manual_seed(seed + 2)
+    small = -0.1 * torch.rand(*x["g"].shape, 128, generator=gen, dtype=torch.float64)
+    x["g"] = torch.cat([x["g"][..., None].expand(-1, -1, -1, 64), small[..., 64:]], dim=-1)
+    x = {n: t.cuda() for n, t in x.items()}
+    gen = torch.Generator().manual_seed(seed + 1)
+    do = torch.randn(x["v"].shape, generator=gen, dtype=torch.float64).cuda()
+    dstate = torch.randn(x["initial_state"].shape, generator=gen, dtype=torch.float64).cuda()
+
+    expected = {n: t.clone().requires_grad_() for n, t in x.items()}
+    o64, s64 = ref.chunk_kda_reference(**expected)
+    ((o64 * do).sum() + (s64 * dstate).sum()).backward()
+
+    leaves = {n: t.to(torch.float32 if n == "initial_state" else dtype).requires_grad_()
+              for n, t in x.items()}
+    with kdn_compile.use_backend("triton"):
+        o, state = kdn_compile.chunk_kda(**leaves)
+    ((o * do.to(o.dtype)).sum() + (state * dstate.float()).sum()).backward()
+
+    assert_close(o, o64, tol, f"o (seed {seed})")
+    assert_close(state, s64, tol, f"final state (seed {seed})")
+    for name in GRADS:  # bf16 dg with gates at the floor: 2e-2 (the limitations page)
+        within = 2 * tol if name == "g" and dtype != torch.float32 else tol
+        assert_close(leaves[name].grad, expected[name].grad, within, f"d{name} (seed {seed})")
+    assert (leaves["g"].grad[x["g"] < -20] == 0).all()
 
 
 @pytest.mark.slow
