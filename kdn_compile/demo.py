@@ -409,22 +409,36 @@ def _print_report(r: dict) -> None:
     print(f"200 characters sampled after {PROMPT!r}:\n{PROMPT}{r['sample']}")
 
 
+def _at_least(low: int):
+    """An argparse type: an int ``>= low`` (the error names the bound and the value)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+    parse.__name__ = "int"
+    return parse
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
-    add("--steps", type=int, default=150, help="training steps (default 150)")
+    add("--steps", type=_at_least(1), default=150, help="training steps (default 150)")
     add("--device", default=None, help="cpu, cuda, ... (default: cuda when present, else cpu)")
     add("--layer", choices=sorted(LAYERS), default="gdn", help="token mixer (default gdn)")
     add("--no-compile", action="store_true", help="train eagerly instead of torch.compile")
     add("--compile-backend", default="inductor",
         help="torch.compile backend (default inductor; aot_eager skips code generation)")
     add("--seed", type=int, default=0, help="seed of the weights, batches and sampling")
-    add("--threads", type=int, default=1,
+    add("--threads", type=_at_least(1), default=1,
         help="CPU threads (default 1: this model is too small to gain much from more, and "
              "spinning threads slow it down many times over on a busy machine)")
-    add("--dim", type=int, default=64, help="model width (default 64)")
-    add("--depth", type=int, default=2, help="blocks (default 2)")
-    add("--batch", type=int, default=16, help="sequences per step (default 16)")
-    add("--length", type=int, default=128,
+    add("--dim", type=_at_least(1), default=64, help="model width (default 64)")
+    add("--depth", type=_at_least(1), default=2, help="blocks (default 2)")
+    add("--batch", type=_at_least(1), default=16, help="sequences per step (default 16)")
+    add("--length", type=_at_least(DECODED + 1), default=128,
         help=f"characters per sequence, > {DECODED} (default 128)")
     add("--lr", type=float, default=3e-3, help="AdamW learning rate (default 3e-3)")
     add("--state-qdq", action="store_true",

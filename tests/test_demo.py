@@ -80,3 +80,22 @@ def test_check_flags_a_wrong_op(monkeypatch):
     monkeypatch.setitem(cases, "chunk_gdn", (broken, *cases["chunk_gdn"][1:]))
     row = capture_report.check_op("chunk_gdn", torch.device("cpu"))
     assert row["vs_reference"].startswith("FAIL") and row["failures"], row
+
+
+@pytest.mark.parametrize("argv,usage,message", [
+    (["demo", "--steps", "-3"], "kdn-compile demo", "argument --steps: must be >= 1, got -3"),
+    (["demo", "--batch", "x"], "kdn-compile demo", "expected an integer, got 'x'"),
+    (["demo", "--length", "8"], "kdn-compile demo", "argument --length: must be >= 9, got 8"),
+    (["bench", "--opz", "gdn"], "kdn-compile bench", "unrecognized arguments: --opz gdn"),
+    (["check", "--device", "nonsense"], "kdn-compile check", "--device:"),
+])
+def test_command_line_errors_show_the_subcommand_usage(argv, usage, message, capsys):
+    """Bad arguments exit with status 2, the subcommand's usage and a message naming the
+    argument (never a run that does nothing and exits 0)."""
+    from kdn_compile.__main__ import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2
+    assert f"usage: {usage} " in err and f"{usage}: error: " in err and message in err, err
