@@ -5,6 +5,7 @@
 #   ./dev.sh test [pytest..]  run the test suite (installs transformers for its integration tests)
 #   ./dev.sh docs             build the Sphinx docs with warnings as errors
 #   ./dev.sh check            capture report of the public functions on this device
+#   ./dev.sh bench [flags]    time the kernels on a CUDA GPU (kdn-compile bench)
 #   ./dev.sh gpu [TIER] [pytest..]  the GPU tests on a CUDA machine: TIER is smoke (the
 #                             default), full, or one full-tier group: kernels, capture,
 #                             distributed, models (tests/conftest.py; docs/testing.md)
@@ -54,6 +55,10 @@ install_missing() {
 setup() {
     local torch_ok='import sys, torch; sys.exit(tuple(map(int, torch.__version__.split("+")[0].split(".")[:2])) < (2, 11))'
     local python=${PYTHON:-python3}
+    if [ -x .venv/bin/python ] && [ -n "${PYTHON:-}" ]; then
+        echo "dev.sh: .venv exists; PYTHON=$PYTHON is used only to create it (rm -rf .venv to" \
+             "set up again with that interpreter)" >&2
+    fi
     if [ ! -x .venv/bin/python ]; then
         "$python" -m venv .venv
         if "$python" -c "$torch_ok" 2>/dev/null; then
@@ -118,8 +123,9 @@ task=${1:-}
 case "$task" in
     demo)  setup; exec kdn-compile demo "$@" ;;
     check) setup; exec kdn-compile check "$@" ;;
+    bench) setup; exec kdn-compile bench "$@" ;;
     test)  setup; install_missing "${TEST_PINS[@]}"; exec python -m pytest tests "$@" ;;
     gpu)   gpu "$@" ;;
     docs)  setup; exec python -m sphinx -W --keep-going -b html docs docs/_build/html "$@" ;;
-    *)     sed -n '2,10p' "$0"; exit 2 ;;
+    *)     sed -n '2,11p' "$0"; exit 2 ;;
 esac
