@@ -16,7 +16,8 @@ import torch.nn.functional as F
 import kdn_compile
 import kdn_compile.distributed as kd
 
-device = "cuda" if torch.cuda.is_available() else "cpu"
+# one GPU a rank where there are enough, else gloo on the CPU
+device = "cuda" if torch.cuda.device_count() >= int(os.environ["WORLD_SIZE"]) else "cpu"
 if device == "cuda":
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
 dist.init_process_group("nccl" if device == "cuda" else "gloo")

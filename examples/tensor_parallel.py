@@ -17,7 +17,8 @@ from torch.distributed.tensor.parallel import parallelize_module
 from kdn_compile.distributed import tensor_parallel_plan
 from kdn_compile.layers import GatedDeltaNet
 
-device = "cuda" if torch.cuda.is_available() else "cpu"
+# one GPU a rank where there are enough, else gloo on the CPU
+device = "cuda" if torch.cuda.device_count() >= int(os.environ["WORLD_SIZE"]) else "cpu"
 if device == "cuda":
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
 dist.init_process_group("nccl" if device == "cuda" else "gloo")
