@@ -40,8 +40,8 @@ from .chunk_gdn_fwd import (
 from .fp8 import dequantize_tile
 
 __all__ = [
-    "chunk_gdn_bwd", "chunk_warps", "floored_gate_grad", "gdn_state_grads", "grad_config",
-    "key_grads", "sum_groups",
+    "chunk_gdn_bwd", "floored_gate_grad", "gdn_state_grads", "grad_config", "key_grads",
+    "sum_groups",
 ]
 
 
@@ -271,19 +271,13 @@ def grad_config(k_dim: int, v_dim: int, dtype: torch.dtype) -> tuple[int, int, i
 
     BV 16, 4 warps: the sm_90 cubin (Triton 3.6, bf16, K = V = 128) uses 255 registers
     and 328 B of local memory a thread (measured on the H200), against 472 B at BV 32,
-    880 B at BV 64 and 296-936 B on 8 warps; :func:`chunk_warps` below 64.
+    880 B at BV 64 and 296-936 B on 8 warps. With half inputs and a head size below 64,
+    Triton 3.6 miscompiles 4 or 8 warps on Hopper (wrong ``dk`` at K = 16, 32 and at
+    V = 16, illegal accesses at K, V <= 32), as for FLA's similar WY backward kernel;
+    2 warps compute them right.
     """
-    return 16, 1, chunk_warps(k_dim, v_dim, dtype)
-
-
-def chunk_warps(k_dim: int, v_dim: int, dtype: torch.dtype) -> int:
-    """Warps of a per-chunk GDN kernel: 4, or 2 with half inputs and a head size below 64.
-
-    There Triton 3.6 miscompiles 4 or 8 warps on Hopper (wrong ``dk`` at K = 16, 32 and
-    at V = 16, illegal accesses at K, V <= 32, in the grad kernel and both WY operand
-    kernels), as for FLA's similar WY backward kernel; 2 warps compute them right.
-    """
-    return 2 if dtype != torch.float32 and min(k_dim, v_dim) < 64 else 4
+    half = dtype != torch.float32
+    return 16, 1, 2 if half and min(k_dim, v_dim) < 64 else 4
 
 
 def chunk_gdn_bwd(q, k, v, g, beta, initial_state, cu_seqlens, do, dht, *,

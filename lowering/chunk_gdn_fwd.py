@@ -62,8 +62,8 @@ from ._tiles import inv_unit_lower
 from .fp8 import qdq_tile, soft_cast
 
 __all__ = [
-    "chunk_gdn_fwd", "gdn_kernel_covers", "gdn_kernel_supports", "gdn_layout", "gdn_prepare",
-    "gdn_recompute_states", "qdq_tile_width", "recurrence_config", "require_gdn_kernels",
+    "chunk_gdn_fwd", "gdn_kernel_supports", "gdn_layout", "gdn_prepare", "gdn_recompute_states",
+    "qdq_tile_width", "recurrence_config", "require_gdn_kernels",
 ]
 
 CHUNK = 64  # tokens per chunk: the kernels are written for 4 blocks of 16
@@ -85,24 +85,15 @@ def gdn_kernel_supports(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size,
     ``state_qdq_block_v`` that :func:`qdq_tile_width` covers. Devices are the
     caller's concern. Reads no tensor values.
     """
-    return v.dtype == q.dtype and gdn_kernel_covers(
-        q, k, v.shape[-1], (g, beta, initial_state), chunk_size, state_qdq=state_qdq,
-        state_qdq_block_v=state_qdq_block_v)
-
-
-def gdn_kernel_covers(q, k, value_dim, others, chunk_size, *, state_qdq,
-                      state_qdq_block_v) -> bool:
-    """:func:`gdn_kernel_supports` for a ``v`` of q's dtype with ``V = value_dim``;
-    ``others``: the gates and the initial state (None where absent). Reads shapes and
-    dtypes only."""
-    dims = (k.shape[-1], value_dim)
-    if chunk_size != CHUNK or q.dtype not in _DTYPES or k.dtype != q.dtype:
+    dims = (k.shape[-1], v.shape[-1])
+    if chunk_size != CHUNK or q.dtype not in _DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
         return False
     if not all(d in _HEAD_DIMS for d in dims):
         return False
     if state_qdq and qdq_tile_width(*dims, state_qdq_block_v, q.dtype) is None:
         return False
-    return all(t.dtype in _DTYPES for t in others if t is not None)
+    others = (g, beta) + ((initial_state,) if initial_state is not None else ())
+    return all(t.dtype in _DTYPES for t in others)
 
 
 def require_gdn_kernels(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size,
