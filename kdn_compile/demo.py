@@ -419,7 +419,6 @@ def _at_least(low: int):
         if value < low:
             raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
         return value
-    parse.__name__ = "int"
     return parse
 
 

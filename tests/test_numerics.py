@@ -96,19 +96,6 @@ def test_gdn_floor_changes_no_ordinary_gate():
     assert_close(o, ref.recurrent_delta_rule_reference(**x)[0], 1e-12, "o, a reset")
 
 
-def test_gdn_reference_gate_gradient_fast_decay():
-    """``dg`` of channels decaying by e^-10 to e^-20 per token keeps float32 relative accuracy
-    in the GDN reference (its cumulative gates are float64)."""
-    x = _gdn_case({})
-    x["g"] = -10.0 - 10.0 * torch.rand(x["g"].shape, generator=torch.Generator().manual_seed(2),
-                                       dtype=torch.float64)
-    (_, _, g64), (do, dstate) = _float64_truth(x)
-    leaves = {n: t.detach().float().requires_grad_() for n, t in x.items()}
-    o, state = ref.chunk_gdn_reference(**leaves)
-    (dg,) = torch.autograd.grad((o * do).sum() + (state * dstate).sum(), [leaves["g"]])
-    assert_close(dg, g64["g"], 1e-5, "dg")
-
-
 def _kda_case(resets: dict, T: int = 130, seed: int = 0) -> dict:
     """Per-key gates: channels 0-3 of head 0 reset at the given tokens, the rest stay small."""
     x = delta_inputs(B=1, T=T, Hk=1, Hv=2, K=16, V=16, per_key=True, seed=seed)
@@ -149,15 +136,17 @@ def test_kda_kernels_hard_resets_float32():
         _check_float32(x, kdn_compile.chunk_kda, 1e-4)
 
 
-def test_kda_reference_gate_gradient_fast_decay():
+@pytest.mark.parametrize("family", ["gdn", "kda"])
+def test_reference_gate_gradient_fast_decay(family):
     """``dg`` of channels decaying by e^-10 to e^-20 per token keeps float32 relative accuracy
-    in the KDA reference (its cumulative gates are float64)."""
-    x = _kda_case({})
+    in the chunked references (their cumulative gates are float64)."""
+    x = (_gdn_case if family == "gdn" else _kda_case)({})
+    chunked = ref.chunk_gdn_reference if family == "gdn" else ref.chunk_kda_reference
     x["g"] = -10.0 - 10.0 * torch.rand(x["g"].shape, generator=torch.Generator().manual_seed(2),
                                        dtype=torch.float64)
     (_, _, g64), (do, dstate) = _float64_truth(x)
     leaves = {n: t.detach().float().requires_grad_() for n, t in x.items()}
-    o, state = ref.chunk_kda_reference(**leaves)
+    o, state = chunked(**leaves)
     (dg,) = torch.autograd.grad((o * do).sum() + (state * dstate).sum(), [leaves["g"]])
     assert_close(dg, g64["g"], 1e-5, "dg")
 

@@ -46,33 +46,42 @@ def _reset_inputs(B, T, H, K, V, seed):
     }
 
 
+def _check_hard_resets(x, run, reference, dtype, tol, dg_tol, floor, seed):
+    """``run`` (a kernel op) on ``x`` (float64, CUDA) in ``dtype`` against ``reference`` in
+    float64: outputs, final state and every gradient within ``tol`` (``dg`` within
+    ``dg_tol``); ``dg`` zero where the gate is below ``floor``."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    gen = torch.Generator().manual_seed(seed + 1)
+    do = torch.randn(x["v"].shape, generator=gen, dtype=torch.float64).cuda()
+    dstate = torch.randn(x["initial_state"].shape, generator=gen, dtype=torch.float64).cuda()
+
+    expected = {n: t.clone().requires_grad_() for n, t in x.items()}
+    o64, s64 = reference(**expected)
+    ((o64 * do).sum() + (s64 * dstate).sum()).backward()
+
+    leaves = {n: t.to(torch.float32 if n == "initial_state" else dtype).requires_grad_()
+              for n, t in x.items()}
+    with kdn_compile.use_backend("triton"):
+        o, state = run(**leaves)
+    ((o * do.to(o.dtype)).sum() + (state * dstate.float()).sum()).backward()
+
+    assert_close(o, o64, tol, f"o (seed {seed})")
+    assert_close(state, s64, tol, f"final state (seed {seed})")
+    for name in GRADS:
+        within = dg_tol if name == "g" else tol
+        assert_close(leaves[name].grad, expected[name].grad, within, f"d{name} (seed {seed})")
+    assert (leaves["g"].grad[x["g"] < floor] == 0).all()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 1e-2)],
                          ids=["fp32", "bf16"])
 def test_gdn_kernels_hard_resets_against_float64(dtype, tol, seed):
     """B=2, T=512, H=4, K=V=128: outputs, final state and every gradient within ``tol`` of the
     float64 reference; ``dg`` zero below the floor."""
-    torch.backends.cuda.matmul.allow_tf32 = False
     x = {n: t.cuda() for n, t in _reset_inputs(2, 512, 4, 128, 128, seed).items()}
-    gen = torch.Generator().manual_seed(seed + 1)
-    do = torch.randn(x["v"].shape, generator=gen, dtype=torch.float64).cuda()
-    dstate = torch.randn(x["initial_state"].shape, generator=gen, dtype=torch.float64).cuda()
-
-    expected = {n: t.clone().requires_grad_() for n, t in x.items()}
-    o64, s64 = ref.chunk_gdn_reference(**expected)
-    ((o64 * do).sum() + (s64 * dstate).sum()).backward()
-
-    leaves = {n: t.to(torch.float32 if n == "initial_state" else dtype).requires_grad_()
-              for n, t in x.items()}
-    with kdn_compile.use_backend("triton"):
-        o, state = kdn_compile.chunk_gdn(**leaves)
-    ((o * do.to(o.dtype)).sum() + (state * dstate.float()).sum()).backward()
-
-    assert_close(o, o64, tol, f"o (seed {seed})")
-    assert_close(state, s64, tol, f"final state (seed {seed})")
-    for name in GRADS:
-        assert_close(leaves[name].grad, expected[name].grad, tol, f"d{name} (seed {seed})")
-    assert (leaves["g"].grad[x["g"] < ref.GDN_GATE_FLOOR] == 0).all()
+    _check_hard_resets(x, kdn_compile.chunk_gdn, ref.chunk_gdn_reference, dtype, tol, tol,
+                       ref.GDN_GATE_FLOOR, seed)
 
 
 @pytest.mark.slow
@@ -81,33 +90,16 @@ def test_gdn_kernels_hard_resets_against_float64(dtype, tol, seed):
 def test_kda_kernels_hard_resets_against_float64(dtype, tol, seed):
     """KDA at B=2, T=512, H=4, K=V=128 with the same resets on half the key channels (the
     others keep small gates): within ``tol`` of the float64 chunked reference (itself the
-    token loop's to 1e-12, ``test_numerics.py``); ``dg`` zero below the kernels' floor."""
-    torch.backends.cuda.matmul.allow_tf32 = False
+    token loop's to 1e-12, ``test_numerics.py``), bf16 ``dg`` with gates at the floor within
+    2e-2 (the limitations page); ``dg`` zero below the kernels' floor (-20)."""
     x = _reset_inputs(2, 512, 4, 128, 128, seed)
     gen = torch.Generator().manual_seed(seed + 2)
     small = -0.1 * torch.rand(*x["g"].shape, 128, generator=gen, dtype=torch.float64)
     x["g"] = torch.cat([x["g"][..., None].expand(-1, -1, -1, 64), small[..., 64:]], dim=-1)
     x = {n: t.cuda() for n, t in x.items()}
-    gen = torch.Generator().manual_seed(seed + 1)
-    do = torch.randn(x["v"].shape, generator=gen, dtype=torch.float64).cuda()
-    dstate = torch.randn(x["initial_state"].shape, generator=gen, dtype=torch.float64).cuda()
-
-    expected = {n: t.clone().requires_grad_() for n, t in x.items()}
-    o64, s64 = ref.chunk_kda_reference(**expected)
-    ((o64 * do).sum() + (s64 * dstate).sum()).backward()
-
-    leaves = {n: t.to(torch.float32 if n == "initial_state" else dtype).requires_grad_()
-              for n, t in x.items()}
-    with kdn_compile.use_backend("triton"):
-        o, state = kdn_compile.chunk_kda(**leaves)
-    ((o * do.to(o.dtype)).sum() + (state * dstate.float()).sum()).backward()
-
-    assert_close(o, o64, tol, f"o (seed {seed})")
-    assert_close(state, s64, tol, f"final state (seed {seed})")
-    for name in GRADS:  # bf16 dg with gates at the floor: 2e-2 (the limitations page)
-        within = 2 * tol if name == "g" and dtype != torch.float32 else tol
-        assert_close(leaves[name].grad, expected[name].grad, within, f"d{name} (seed {seed})")
-    assert (leaves["g"].grad[x["g"] < -20] == 0).all()
+    dg_tol = tol if dtype == torch.float32 else 2 * tol
+    _check_hard_resets(x, kdn_compile.chunk_kda, ref.chunk_kda_reference, dtype, tol, dg_tol,
+                       -20, seed)
 
 
 @pytest.mark.slow
