@@ -32,11 +32,10 @@ from torch.library import wrap_triton
 
 from ._launch import dot_precision, fixed_chunk, uncovered_inputs
 from .chunk_gdn_bwd import (
-    _decay, _start_state, floored_gate_grad, gdn_state_grads, grad_config, key_grads,
-    sum_groups,
+    _decay, _start_state, chunk_warps, floored_gate_grad, gdn_state_grads, key_grads, sum_groups,
 )
 from .chunk_gdn_fwd import (
-    CHUNK, _recurrence, _scale, gdn_kernel_supports, gdn_layout, gdn_prepare,
+    CHUNK, _recurrence, _scale, gdn_kernel_covers, gdn_layout, gdn_prepare,
     gdn_recompute_states, qdq_tile_width, require_gdn_kernels,
 )
 
@@ -56,9 +55,8 @@ def gdn_wy_kernel_supports(q, k, w, u, g, initial_state, cu_seqlens, chunk_size,
     ``gdn_kernel_supports`` covers.)"""
     if w.dtype not in _OPERAND_DTYPES or u.dtype not in _OPERAND_DTYPES:
         return False
-    return gdn_kernel_supports(
-        q, k, u.new_empty((0, 0, 0, u.shape[-1]), dtype=q.dtype), g, g, initial_state,
-        cu_seqlens, chunk_size, state_qdq=state_qdq, state_qdq_block_v=state_qdq_block_v)
+    return gdn_kernel_covers(q, k, u.shape[-1], (g, initial_state), chunk_size,
+                             state_qdq=state_qdq, state_qdq_block_v=state_qdq_block_v)
 
 
 def _require(q, k, w, u, g, initial_state, cu_seqlens, chunk_size, **qdq) -> None:
@@ -288,9 +286,27 @@ def gdn_wy_operands_fwd(k, v, g, beta, cu_seqlens, *, chunk_size):
     wrap_triton(_chunk_gdn_wy_fwd_kernel)[(bound, hv)](
         k, v, gc, beta, ai, w, u, spans, length,
         H=hv, HK=hk, K=dk, V=dv, BT=CHUNK, BV=min(dv, 64), IS_VARLEN=cu_seqlens is not None,
-        DOT_PREC=dot_precision(k.dtype), num_warps=4,
+        DOT_PREC=dot_precision(k.dtype), num_warps=chunk_warps(dk, dv, k.dtype),
     )
     return w, u, gc, ai
+
+
+def operands_bwd_config(k_dim: int, v_dim: int, dtype: torch.dtype) -> tuple[int, int, int]:
+    """``(BV, num_stages, num_warps)`` of ``_chunk_gdn_wy_bwd_kernel``.
+
+    Two pipeline stages over the value tiles: with one stage (as :func:`grad_config`,
+    BV 16, 4 warps) Triton 3.6's sm_90 code for bf16
+    at K = V = 128 reads shared memory out of bounds in the value loop (compute-sanitizer on
+    the H200: an illegal memory access). Warps: :func:`~.chunk_gdn_bwd.chunk_warps`.
+    """
+    return min(v_dim, 32), 2, chunk_warps(k_dim, v_dim, dtype)
+
+
+def grad_config(k_dim: int, v_dim: int, dtype: torch.dtype) -> tuple[int, int, int]:
+    """``(BV, num_stages, num_warps)`` of ``_chunk_gdn_wy_grad_kernel``: BV 16, one stage
+    (sm_90 cubin of Triton 3.9, bf16, K = V = 128: 255 registers, 48 B of stack a thread);
+    warps: :func:`~.chunk_gdn_bwd.chunk_warps`."""
+    return 16, 1, chunk_warps(k_dim, v_dim, dtype)
 
 
 def gdn_wy_operands_bwd(k, v, g, beta, cu_seqlens, dw, du, *, chunk_size, prepared=None):
@@ -308,7 +324,7 @@ def gdn_wy_operands_bwd(k, v, g, beta, cu_seqlens, dw, du, *, chunk_size, prepar
     dv = torch.empty_like(v)
     dg = torch.empty(g.shape, dtype=torch.float32, device=g.device)
     dbeta = torch.empty_like(beta)
-    tile, stages, warps = grad_config(dk_, dv_, k.dtype)
+    tile, stages, warps = operands_bwd_config(dk_, dv_, k.dtype)
     wrap_triton(_chunk_gdn_wy_bwd_kernel)[(bound, hv)](
         k, v, gc, beta, ai, dw, du, dk, dv, dg, dbeta, spans, length,
         H=hv, HK=hk, K=dk_, V=dv_, BT=CHUNK, BV=tile, IS_VARLEN=cu_seqlens is not None,
@@ -371,11 +387,11 @@ def gdn_wy_recurrence_bwd(q, k, w, u, g, initial_state, cu_seqlens, do, dht, *, 
         prepared = (gc, aqk, None, None)
     gc, aqk, hs, hs_scales = prepared
     if hs is None:
-        hs, hs_scales = gdn_recompute_states(
+        hs, hs_scales, _ = gdn_recompute_states(
             k, u, gc, None, None, initial_state, cu_seqlens, layout,
             state_v_first=state_v_first, qdq_block_v=state_qdq_block_v if state_qdq else 0,
             w=w)
-    du, dhs, dh0 = gdn_state_grads(q, k, gc, None, None, aqk, u, do, dht, initial_state,
+    du, _, dhs, dh0 = gdn_state_grads(q, k, gc, None, None, aqk, u, do, dht, initial_state,
                                    cu_seqlens, layout, scale=scale,
                                    state_v_first=state_v_first, hs_shape=hs.shape, w=w)
     dq, dk = key_grads(q, hv)

@@ -9,7 +9,8 @@ Per batch ``b``, head ``h``, token ``t`` and key channel ``i``::
 from ``p_0 = 1 / precision``. The kernels (``kalman_gain_fwd.py``,
 ``kalman_gain_bwd.py``) walk chunks of ``CHUNK`` tokens in parallel (one warp
 per chunk and head) and chain the chunks with a short scan over chunk products. Launchers are fake-tensor
-safe: shapes only, no host reads; ``cu_seqlens`` is read on the device.
+safe: shapes only, no host reads; the packed-sequence bookkeeping (each chunk's token
+span, each sequence's first chunk) is built from ``cu_seqlens`` with device ops.
 Source: the Diag-KDN specification; oracle ``kdn_compile.reference.kalman_gain``.
 """
 
@@ -21,7 +22,7 @@ import torch
 import triton
 from torch.library import wrap_triton
 
-from kdn_compile.lowering._launch import chunk_offsets, chunk_owners
+from kdn_compile.lowering._launch import chunk_offsets, chunk_spans
 from kdn_compile.lowering.kalman_gain_bwd import (
     _kalman_gain_bwd_chunk_map_kernel,
     _kalman_gain_bwd_chunk_scan_kernel,
@@ -74,12 +75,13 @@ def kalman_gain_kernel_supports(k, log_alpha, omega, r, precision, cu_seqlens=No
 
 
 def _chunks(k, cu_seqlens):
-    """``(N, NT, NC, chunk_seq, chunk_offsets)``: sequences, chunks per sequence, slots.
+    """``(N, NT, NC, spans, chunk_offsets)``: sequences, chunks per sequence, slots.
 
     Fixed length: ``NT`` chunks per sequence, ``NC = B * NT``. Varlen: ``NC`` is
     an upper bound ``cdiv(T, CHUNK) + N``; ``chunk_offsets [N + 1]`` is each
-    sequence's first slot and ``chunk_seq [NC]`` each slot's sequence (computed
-    with device ops; surplus slots point past their sequence's chunks).
+    sequence's first slot and ``spans [NC, 2]`` each slot's first token and its
+    sequence's end (:func:`~._launch.chunk_spans`, device ops; a surplus slot starts
+    at or past its end).
     """
     batch, length = k.shape[0], k.shape[1]
     if cu_seqlens is None:
@@ -88,13 +90,13 @@ def _chunks(k, cu_seqlens):
     n = cu_seqlens.shape[0] - 1
     offsets = chunk_offsets(cu_seqlens, CHUNK)
     nc = triton.cdiv(length, CHUNK) + n
-    return n, 0, nc, chunk_owners(offsets, nc).clamp_max(n - 1), offsets
+    return n, 0, nc, chunk_spans(cu_seqlens, offsets, nc, CHUNK), offsets
 
 
-def _walk_args(length, nt, heads, key_dim, varlen, info_scale):
+def _walk_args(length, heads, key_dim, varlen, info_scale):
     """Keyword arguments of the per-chunk walks (map, gain and gradient kernels)."""
     return dict(
-        info_scale=info_scale, T=length, NT=nt, H=heads, K=key_dim, BT=CHUNK,
+        info_scale=info_scale, T=length, H=heads, K=key_dim, BT=CHUNK,
         BK=triton.next_power_of_2(key_dim), IS_VARLEN=varlen, NUM_STAGES=NUM_STAGES,
         num_warps=CHUNK_WARPS,
     )
@@ -132,7 +134,7 @@ def kalman_gain_fwd(k, log_alpha, omega, r, precision, cu_seqlens=None, *, info_
     k, log_alpha, omega, r = (t.contiguous() for t in (k, log_alpha, omega, r))
     precision = precision.contiguous()
     batch, length, heads, key_dim = k.shape
-    n, nt, nc, chunk_seq, chunk_offsets = _chunks(k, cu_seqlens)
+    n, nt, nc, spans, chunk_offsets = _chunks(k, cu_seqlens)
     varlen = cu_seqlens is not None
     f32 = dict(device=k.device, dtype=torch.float32)
     # per-chunk buffers flat: a dimension of one chunk makes torch.export guard on T
@@ -141,15 +143,14 @@ def kalman_gain_fwd(k, log_alpha, omega, r, precision, cu_seqlens=None, *, info_
     final_cov = torch.empty(n, heads, key_dim, **f32)
     final_precision = torch.empty(n, heads, key_dim, **f32)
     gain = torch.empty(batch, length, heads, key_dim, device=k.device, dtype=gain_dtype)
-    walk = _walk_args(length, nt, heads, key_dim, varlen, info_scale)
+    walk = _walk_args(length, heads, key_dim, varlen, info_scale)
     inputs = (k, log_alpha, omega, r)
-    index = (cu_seqlens, chunk_seq, chunk_offsets)
-    wrap_triton(_kalman_gain_chunk_map_kernel)[(nc, heads)](*inputs, maps, *index, **walk)
+    wrap_triton(_kalman_gain_chunk_map_kernel)[(nc, heads)](*inputs, maps, spans, **walk)
     wrap_triton(_kalman_gain_chunk_scan_kernel)[_scan_grid(k, n, heads, key_dim)](
         precision, maps, chunk_cov, final_cov, final_precision, chunk_offsets,
         **_scan_args(k, nt, heads, key_dim, varlen),
     )
-    wrap_triton(_kalman_gain_fwd_kernel)[(nc, heads)](*inputs, chunk_cov, gain, *index, **walk)
+    wrap_triton(_kalman_gain_fwd_kernel)[(nc, heads)](*inputs, chunk_cov, gain, spans, **walk)
     return gain, final_precision, chunk_cov, final_cov
 
 
@@ -186,7 +187,7 @@ def kalman_gain_bwd(
     if dprecision is not None:
         dprecision = dprecision.contiguous()
     batch, length, heads, key_dim = k.shape
-    n, nt, nc, chunk_seq, chunk_offsets = _chunks(k, cu_seqlens)
+    n, nt, nc, spans, chunk_offsets = _chunks(k, cu_seqlens)
     varlen = cu_seqlens is not None
     f32 = dict(device=k.device, dtype=torch.float32)
     adj_maps = torch.empty(nc * heads * 2 * key_dim, **f32)  # [NC, H, 2, K], flat as above
@@ -194,11 +195,10 @@ def kalman_gain_bwd(
     prev_cov = torch.empty(k.shape, **f32)
     dk, dlog_alpha, domega = (torch.empty_like(t) for t in (k, log_alpha, omega))
     dr, dprecision0 = torch.empty_like(r), torch.empty_like(precision)
-    walk = _walk_args(length, nt, heads, key_dim, varlen, info_scale)
+    walk = _walk_args(length, heads, key_dim, varlen, info_scale)
     inputs = (k, log_alpha, omega, r)
-    index = (cu_seqlens, chunk_seq, chunk_offsets)
     wrap_triton(_kalman_gain_bwd_chunk_map_kernel)[(nc, heads)](
-        *inputs, chunk_covariance, dgain, adj_maps, prev_cov, *index, **walk)
+        *inputs, chunk_covariance, dgain, adj_maps, prev_cov, spans, **walk)
     wrap_triton(_kalman_gain_bwd_chunk_scan_kernel)[_scan_grid(k, n, heads, key_dim)](
         precision, final_covariance, dprecision, adj_maps, chunk_adj, dprecision0, chunk_offsets,
         **_scan_args(k, nt, heads, key_dim, varlen), HAS_DPRECISION=dprecision is not None,
@@ -209,5 +209,5 @@ def kalman_gain_bwd(
         dk_add = dlog_alpha_add = dgain  # never read
     wrap_triton(_kalman_gain_bwd_kernel)[(nc, heads)](
         *inputs, prev_cov, chunk_adj, dgain, dk_add, dlog_alpha_add,
-        dk, dlog_alpha, domega, dr, *index, **walk, ADD=add)
+        dk, dlog_alpha, domega, dr, spans, **walk, ADD=add)
     return dk, dlog_alpha, domega, dr, dprecision0

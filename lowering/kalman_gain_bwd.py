@@ -32,12 +32,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kdn_compile.lowering.kalman_gain_fwd import (
-    _chunk_bounds,
-    _sequence_chunks,
-    _token_inputs,
-    _token_mask,
-)
+from kdn_compile.lowering._launch import fixed_chunk
+from kdn_compile.lowering.kalman_gain_fwd import _token_inputs, _token_mask
 
 
 @triton.jit
@@ -48,15 +44,18 @@ def _affine_combine(a0, a1, b0, b1):
 
 @triton.jit
 def _kalman_gain_bwd_chunk_map_kernel(
-    k, log_alpha, omega, r, chunk_cov, dgain, adj_maps, prev_cov,
-    cu_seqlens, chunk_seq, chunk_offsets,
-    info_scale, T, NT, H, K,
+    k, log_alpha, omega, r, chunk_cov, dgain, adj_maps, prev_cov, spans,
+    info_scale, T, H, K,
     BT: tl.constexpr, BK: tl.constexpr, IS_VARLEN: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     """Composed adjoint map of one chunk and head; keeps ``p_{t-1}`` in ``prev_cov``."""
     info_scale = tl.cast(info_scale, tl.float32)  # Inductor passes Python floats as fp64
     i_c, i_h = tl.program_id(0).to(tl.int64), tl.program_id(1)
-    t0, eos = _chunk_bounds(i_c, cu_seqlens, chunk_seq, chunk_offsets, T, NT, BT, IS_VARLEN)
+    if IS_VARLEN:  # index loads in the kernel body: see _launch.py
+        t0 = tl.load(spans + 2 * i_c).to(tl.int64)
+        eos = tl.load(spans + 2 * i_c + 1).to(tl.int64)
+    else:
+        t0, eos = fixed_chunk(i_c, T, BT)
     if t0 >= eos:
         return
     o_k = tl.arange(0, BK)
@@ -94,7 +93,12 @@ def _kalman_gain_bwd_chunk_scan_kernel(
 ):
     """Adjoint entering every chunk (at its last token) of one sequence, last chunk first."""
     i_n, i_h, i_k = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
-    c0, n_c = _sequence_chunks(i_n, chunk_offsets, NT, IS_VARLEN)
+    if IS_VARLEN:  # index loads in the kernel body: see _launch.py
+        c0 = tl.load(chunk_offsets + i_n).to(tl.int64)
+        n_c = tl.load(chunk_offsets + i_n + 1).to(tl.int64) - c0
+    else:
+        c0 = i_n * NT
+        n_c = (i_n + 1) * NT - c0
     o_k = i_k * BK + tl.arange(0, BK)
     m_k = o_k < K
     o_s = (i_n * H + i_h) * K + o_k
@@ -129,8 +133,7 @@ def _kalman_gain_bwd_chunk_scan_kernel(
 @triton.jit
 def _kalman_gain_bwd_kernel(
     k, log_alpha, omega, r, prev_cov, chunk_adj, dgain, dk_in, dlog_alpha_in,
-    dk, dlog_alpha, domega, dr, cu_seqlens, chunk_seq, chunk_offsets,
-    info_scale, T, NT, H, K,
+    dk, dlog_alpha, domega, dr, spans, info_scale, T, H, K,
     BT: tl.constexpr, BK: tl.constexpr, IS_VARLEN: tl.constexpr, NUM_STAGES: tl.constexpr,
     ADD: tl.constexpr,
 ):
@@ -138,7 +141,11 @@ def _kalman_gain_bwd_kernel(
     ``dk`` and ``dlog_alpha`` also take ``dk_in`` and ``dlog_alpha_in`` (the memory's)."""
     info_scale = tl.cast(info_scale, tl.float32)  # Inductor passes Python floats as fp64
     i_c, i_h = tl.program_id(0).to(tl.int64), tl.program_id(1)
-    t0, eos = _chunk_bounds(i_c, cu_seqlens, chunk_seq, chunk_offsets, T, NT, BT, IS_VARLEN)
+    if IS_VARLEN:  # index loads in the kernel body: see _launch.py
+        t0 = tl.load(spans + 2 * i_c).to(tl.int64)
+        eos = tl.load(spans + 2 * i_c + 1).to(tl.int64)
+    else:
+        t0, eos = fixed_chunk(i_c, T, BT)
     if t0 >= eos:
         return
     o_k = tl.arange(0, BK)

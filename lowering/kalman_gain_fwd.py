@@ -28,6 +28,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from kdn_compile.lowering._launch import fixed_chunk
+
 
 @triton.jit
 def _mobius_combine(a00, a01, a10, a11, b00, b01, b10, b11):
@@ -38,39 +40,6 @@ def _mobius_combine(a00, a01, a10, a11, b00, b01, b10, b11):
     c11 = b10 * a01 + b11 * a11
     s = 1.0 / (c00 + c01 + c10 + c11)
     return c00 * s, c01 * s, c10 * s, c11 * s
-
-
-@triton.jit
-def _chunk_bounds(i_c, cu_seqlens, chunk_seq, chunk_offsets, T, NT,
-                  BT: tl.constexpr, IS_VARLEN: tl.constexpr):
-    """``(first token, end of its sequence)`` of chunk slot ``i_c``.
-
-    Fixed length: ``NT`` chunks per sequence of ``T`` tokens. Varlen: the slot's
-    sequence comes from ``chunk_seq``; surplus slots start past ``eos``.
-    """
-    if IS_VARLEN:
-        i_n = tl.load(chunk_seq + i_c).to(tl.int64)
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-        i_t = i_c - tl.load(chunk_offsets + i_n).to(tl.int64)
-    else:
-        i_n = i_c // NT
-        bos = i_n * T
-        eos = bos + T
-        i_t = i_c % NT
-    return bos + i_t * BT, eos
-
-
-@triton.jit
-def _sequence_chunks(i_n, chunk_offsets, NT, IS_VARLEN: tl.constexpr):
-    """``(first chunk slot, number of chunks)`` of sequence ``i_n``."""
-    if IS_VARLEN:
-        c0 = tl.load(chunk_offsets + i_n).to(tl.int64)
-        n_c = tl.load(chunk_offsets + i_n + 1).to(tl.int64) - c0
-    else:
-        c0 = i_n * NT
-        n_c = (i_n + 1) * NT - c0
-    return c0, n_c
 
 
 @triton.jit
@@ -99,14 +68,17 @@ def _token_inputs(k, log_alpha, omega, r, t, eos, o_k, H, K, info_scale):
 
 @triton.jit
 def _kalman_gain_chunk_map_kernel(
-    k, log_alpha, omega, r, maps, cu_seqlens, chunk_seq, chunk_offsets,
-    info_scale, T, NT, H, K,
+    k, log_alpha, omega, r, maps, spans, info_scale, T, H, K,
     BT: tl.constexpr, BK: tl.constexpr, IS_VARLEN: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     """Product of the covariance maps of one chunk of one head."""
     info_scale = tl.cast(info_scale, tl.float32)  # Inductor passes Python floats as fp64
     i_c, i_h = tl.program_id(0).to(tl.int64), tl.program_id(1)
-    t0, eos = _chunk_bounds(i_c, cu_seqlens, chunk_seq, chunk_offsets, T, NT, BT, IS_VARLEN)
+    if IS_VARLEN:  # index loads in the kernel body: see _launch.py
+        t0 = tl.load(spans + 2 * i_c).to(tl.int64)
+        eos = tl.load(spans + 2 * i_c + 1).to(tl.int64)
+    else:
+        t0, eos = fixed_chunk(i_c, T, BT)
     if t0 >= eos:
         return
     o_k = tl.arange(0, BK)
@@ -143,7 +115,12 @@ def _kalman_gain_chunk_scan_kernel(
 ):
     """Covariance entering every chunk of one sequence, ``BC`` chunks per scan step."""
     i_n, i_h, i_k = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
-    c0, n_c = _sequence_chunks(i_n, chunk_offsets, NT, IS_VARLEN)
+    if IS_VARLEN:  # index loads in the kernel body: see _launch.py
+        c0 = tl.load(chunk_offsets + i_n).to(tl.int64)
+        n_c = tl.load(chunk_offsets + i_n + 1).to(tl.int64) - c0
+    else:
+        c0 = i_n * NT
+        n_c = (i_n + 1) * NT - c0
     o_k = i_k * BK + tl.arange(0, BK)
     m_k = o_k < K
     o_s = (i_n * H + i_h) * K + o_k
@@ -171,14 +148,17 @@ def _kalman_gain_chunk_scan_kernel(
 
 @triton.jit
 def _kalman_gain_fwd_kernel(
-    k, log_alpha, omega, r, chunk_cov, gain, cu_seqlens, chunk_seq, chunk_offsets,
-    info_scale, T, NT, H, K,
+    k, log_alpha, omega, r, chunk_cov, gain, spans, info_scale, T, H, K,
     BT: tl.constexpr, BK: tl.constexpr, IS_VARLEN: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     """Gains ``kappa_t = p_hat_t k_t / (r_t + sum_i p_hat_ti k_ti^2)`` of one chunk and head."""
     info_scale = tl.cast(info_scale, tl.float32)  # Inductor passes Python floats as fp64
     i_c, i_h = tl.program_id(0).to(tl.int64), tl.program_id(1)
-    t0, eos = _chunk_bounds(i_c, cu_seqlens, chunk_seq, chunk_offsets, T, NT, BT, IS_VARLEN)
+    if IS_VARLEN:  # index loads in the kernel body: see _launch.py
+        t0 = tl.load(spans + 2 * i_c).to(tl.int64)
+        eos = tl.load(spans + 2 * i_c + 1).to(tl.int64)
+    else:
+        t0, eos = fixed_chunk(i_c, T, BT)
     if t0 >= eos:
         return
     o_k = tl.arange(0, BK)

@@ -3,12 +3,16 @@
 Every kdn op has a rule; on 2 gloo processes (reference backend, float32) the ops on
 head-sharded DTensors and the layers sharded by tensor_parallel_plan equal the single
 device, outputs, states and gradients, the layer compiled with fullgraph=True too;
-placements other than heads or replicated are refused by name.
+placements other than heads or replicated are refused by name. The kernel ops and the
+layers on them (Triton's interpreter) run sharded, forward and backward, where DTensor
+takes the ops' output metadata from their reference branch, as torch 2.11 does on CUDA.
 """
 
 from __future__ import annotations
 
+import collections
 import copy
+import functools
 
 import pytest
 import torch
@@ -173,20 +177,29 @@ LAYERS = {"gdn": (GatedDeltaNet, dict(num_v_heads=4)),
           "kda": (KimiDeltaAttention, dict(num_v_heads=4)), "kdn": (DiagKDN, {})}
 
 
-def _layer_case(mesh, name, compiled, errors):
+def _sharded_layer(mesh, name, hidden, head_dim, chunk_size, shape):
+    """``(layer, single, x, w, y, state)``: a 2-head layer of ``LAYERS[name]`` sharded by
+    tensor_parallel_plan, its unsharded copy, an input ``x`` of ``shape`` ``[B, T]``, loss
+    weights ``w`` like it and the copy's ``(y, state)`` on ``x``, the gradients of
+    ``(y * w).sum()`` formed."""
     from torch.distributed.tensor.parallel import parallelize_module
 
     from kdn_compile.distributed import tensor_parallel_plan
 
     cls, options = LAYERS[name]
     torch.manual_seed(0)
-    layer = cls(32, 2, 8, head_v_dim=8, chunk_size=4, **options)
+    layer = cls(hidden, 2, head_dim, head_v_dim=head_dim, chunk_size=chunk_size, **options)
     single = copy.deepcopy(layer)
     gen = torch.Generator().manual_seed(1)
-    x, w = torch.randn(2, 12, 32, generator=gen), torch.randn(2, 12, 32, generator=gen)
+    x, w = (torch.randn(*shape, hidden, generator=gen) for _ in range(2))
     y, state = single(x)
     (y * w).sum().backward()
     parallelize_module(layer, mesh, tensor_parallel_plan(layer))
+    return layer, single, x, w, y, state
+
+
+def _layer_case(mesh, name, compiled, errors):
+    layer, single, x, w, y, state = _sharded_layer(mesh, name, 32, 8, 4, (2, 12))
 
     def step(x):
         return (layer(x)[0] * w).sum()
@@ -246,7 +259,8 @@ def test_other_placements_are_refused(two_ranks):
 
 def test_chunk_gdn_rule_follows_the_kernel_path(monkeypatch):
     """The placements of kdn::chunk_gdn's outputs come from the op's own kernel predicate
-    (heads on dim 2 of the saved per-token tensors, dim 1 of the float8 chunk states)."""
+    (heads on dim 2 of the saved per-token tensors, dim 1 of the float8 chunk states and of
+    their placeholders without state_qdq)."""
     from kdn_compile.ops import gdn, sharding
 
     x = delta_inputs(B=1, T=8, K=16, V=16, dtype=torch.float32)
@@ -254,6 +268,106 @@ def test_chunk_gdn_rule_follows_the_kernel_path(monkeypatch):
                  state_qdq=True, state_qdq_block_v=16)
     monkeypatch.setattr(gdn, "can_launch", lambda t: True)
     assert sharding.gdn_outputs(bound) == [2, 1, 2, 2, 2, 1, 1]
-    assert sharding.gdn_outputs(dict(bound, state_qdq=False)) == [2, 1, 2, 2, 2, None, None]
+    assert sharding.gdn_outputs(dict(bound, state_qdq=False)) == [2, 1, 2, 2, 2, 1, 1]
     monkeypatch.setattr(gdn, "can_launch", lambda t: False)
     assert sharding.gdn_outputs(bound) == [2, 1] + [None] * 5
+
+
+
+# -- the kernel ops, their metadata taken from the reference branch (2 gloo processes) -----
+
+
+def _launch_as_on_cuda_under_torch_2_11() -> collections.Counter:
+    """The kernels' device predicate as on a CUDA mesh under torch 2.11, in Triton's
+    interpreter: the kernels launch on plain tensors and on DTensors (the ranks' local
+    tensors; the rules and the autograd decide from the DTensors) but not on the fake
+    tensors that DTensor propagates output metadata with (2.11 builds them on the CPU,
+    where the ops take their reference branch). Returns the number of calls of each
+    backward kernel launcher, counted from here."""
+    from kdn_compile.ops import _dispatch, gdn, gdn_wy, kda, kdn
+
+    def launches(x):
+        return x.dtype != torch.bfloat16 and not _dispatch._tracing(x)
+
+    for module in (_dispatch, gdn, gdn_wy, kda, kdn):
+        module.can_launch = launches
+    calls = collections.Counter()
+
+    def count(module, name):
+        launcher = getattr(module, name)
+
+        def run(*args, **kwargs):
+            calls[f"{module.__name__.rsplit('.', 1)[1]}.{name}"] += 1
+            return launcher(*args, **kwargs)
+
+        setattr(module, name, run)
+
+    for module, name in ((gdn, "chunk_gdn_bwd"), (kda, "two_key_bwd"), (kdn, "two_key_bwd"),
+                         (kdn, "kalman_gain_bwd"), (gdn_wy, "gdn_wy_operands_bwd"),
+                         (gdn_wy, "gdn_wy_recurrence_bwd")):
+        count(module, name)
+    return calls
+
+
+def _kernel_op_cases(family: str) -> dict:
+    """``{case: (run, inputs)}`` in the kernels' sizes: chunks of 64 tokens, K and V powers
+    of two from 16."""
+    if family == "kdn":
+        x = kdn_inputs(B=1, T=64, H=2, K=16, V=16, dtype=torch.float32, requires_grad=True)
+        return {"diag_kdn": (lambda **a: kdn_compile.diag_kdn(**a, scale=0.25,
+                                                              info_scale=0.7), x)}
+    if family == "kda":
+        x = delta_inputs(B=1, T=64, Hk=2, Hv=4, K=16, V=16, N=2, per_key=True,
+                         dtype=torch.float32, requires_grad=True)
+        x["cu_seqlens"] = torch.tensor([0, 40, 64])  # a replicated DTensor when sharded
+        return {"chunk_kda packed": (lambda **a: kdn_compile.chunk_kda(**a), x)}
+    x = delta_inputs(B=1, T=64, Hk=2, Hv=4, K=16, V=16, dtype=torch.float32,
+                     requires_grad=True)
+    return {"chunk_gdn": (lambda **a: kdn_compile.chunk_gdn(**a), x),
+            "chunk_gdn w_quantizer": (
+                lambda **a: kdn_compile.chunk_gdn(**a, w_quantizer=lambda w: 0.5 * w), x)}
+
+
+def kernel_rank_worker(family, rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    calls = _launch_as_on_cuda_under_torch_2_11()
+    kdn_compile.set_backend("triton")
+    mesh = init_device_mesh("cpu", (world,))
+    errors, launched = {}, {}
+    for case, (run, x) in _kernel_op_cases(family).items():
+        before = calls.copy()
+        _compare(run, x, mesh, errors, case)
+        launched[case] = dict(calls - before)
+    layer, single, x, w, _, _ = _sharded_layer(mesh, family, 64, 16, 64, (1, 64))
+    before = calls.copy()
+    (layer(x)[0] * w).sum().backward()
+    launched["layer"] = dict(calls - before)
+    for (n, p), (_, q) in zip(layer.named_parameters(), single.named_parameters()):
+        errors[f"layer: d{n}"] = rel_error(_full(p.grad), q.grad)
+    return {"errors": errors, "launched": launched}
+
+
+# the backward kernels of each case: launched on one device then on the rank's shards (the
+# layer's counted on the shards only)
+KERNEL_BACKWARD = {
+    "gdn": {"chunk_gdn": {"gdn.chunk_gdn_bwd": 2},
+            "chunk_gdn w_quantizer": {"gdn_wy.gdn_wy_operands_bwd": 2,
+                                      "gdn_wy.gdn_wy_recurrence_bwd": 2},
+            "layer": {"gdn.chunk_gdn_bwd": 1}},
+    "kda": {"chunk_kda packed": {"kda.two_key_bwd": 2}, "layer": {"kda.two_key_bwd": 1}},
+    "kdn": {"diag_kdn": {"kdn.two_key_bwd": 2, "kdn.kalman_gain_bwd": 2},
+            "layer": {"kdn.two_key_bwd": 1, "kdn.kalman_gain_bwd": 1}},
+}
+
+
+@pytest.mark.parametrize("family", list(KERNEL_BACKWARD))
+def test_kernel_ops_run_sharded_where_the_metadata_comes_from_the_reference(family):
+    """On head-sharded DTensors the ranks run the kernel ops, forward and backward, while
+    DTensor takes their outputs' metadata from the reference branch (as torch 2.11 does on
+    CUDA): outputs, gradients and the layer's parameter gradients equal one device's."""
+    for rank, result in enumerate(spawn(functools.partial(kernel_rank_worker, family), 2)):
+        assert result["launched"] == KERNEL_BACKWARD[family], f"rank {rank}"
+        worst = {k: e for k, e in result["errors"].items() if not e <= 2e-5}  # float32
+        assert not worst, f"rank {rank}: {worst}"
+        assert len(result["errors"]) > 10

@@ -66,6 +66,18 @@ def can_launch(x: torch.Tensor) -> bool:
     )
 
 
+def metadata_only(x: torch.Tensor) -> bool:
+    """True for the fake (or functional) tensors of a trace on a device where the kernels
+    cannot launch: there a backward kernel op returns its gradients' metadata alone.
+
+    Such an op is called only where its forward ran the kernels, so these are the fake
+    tensors that DTensor runs it on to propagate metadata from the global shapes (built on
+    the CPU whatever the mesh's device by torch 2.11), and its saved tensors are the
+    forward reference branch's placeholders, from which no kernel computes.
+    """
+    return _tracing(x) and not can_launch(x)
+
+
 def interpreted_ok(q: torch.Tensor, state_dtypes) -> bool:
     """On the CPU (Triton's interpreter) no bfloat16 state: the interpreter truncates float32
     to bfloat16 where the GPU rounds to nearest even (triton 3.9)."""

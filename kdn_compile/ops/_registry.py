@@ -82,10 +82,30 @@ def refuse_double_backward(op_name: str, inputs: Sequence, grads: Sequence) -> t
     )
 
 
-def saved_placeholders(like: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:
-    """``n`` empty tensors in place of the saved outputs of a ``kdn::<name>`` op on a
-    branch that saves nothing (the reference, or a half that runs its reference math)."""
-    return tuple(like.new_empty(0) for _ in range(n))
+def saved_placeholders(like: torch.Tensor, n: int, heads: int) -> tuple[torch.Tensor, ...]:
+    """``n`` empty tensors ``[heads, heads, heads, 0]`` in place of the saved outputs of a
+    ``kdn::<name>`` op on a path that saves nothing (the reference, or a half that runs
+    its reference math).
+
+    The kernels' saved tensors hold their heads on dim 0 (a flat per-chunk buffer), 1
+    (chunk states) or 2 (per-token tensors), where their DTensor rules shard them
+    (:mod:`kdn_compile.ops.sharding`); sized in heads on all three, the placeholders
+    take those placements too. DTensor may read an op's output metadata from this branch
+    while its ranks run the kernels: it runs the op on fake tensors of the global shapes,
+    which torch 2.11 builds on the CPU whatever the mesh's device.
+    """
+    return tuple(like.new_empty(heads, heads, heads, 0) for _ in range(n))
+
+
+def fill_placeholders(outputs: Sequence, like: torch.Tensor, heads: int) -> tuple:
+    """``outputs`` with a :func:`saved_placeholders` tensor in place of each None."""
+    return tuple(saved_placeholders(like, 1, heads)[0] if t is None else t for t in outputs)
+
+
+def empty_grads(like: torch.Tensor, inputs: Sequence) -> tuple[torch.Tensor, ...]:
+    """Uninitialised gradients of ``inputs``, each of its input's shape and dtype; for an
+    absent (None) input the empty tensor that stands for its gradient (``like``'s)."""
+    return tuple(like.new_empty(0) if x is None else x.new_empty(x.shape) for x in inputs)
 
 
 class FamilyOps:
@@ -158,10 +178,8 @@ class FamilyOps:
 
     def _fake_grads(self, *args):
         inputs, _ = self._split(args)
-        return self._returned([
-            inputs[n].new_empty(inputs[n].shape) if inputs[n] is not None else self._absent(inputs)
-            for n in self.differentiable
-        ])
+        return self._returned(list(empty_grads(self._absent(inputs),
+                                               [inputs[n] for n in self.differentiable])))
 
     @staticmethod
     def _returned(grads: list):

@@ -22,8 +22,13 @@ import torch
 from torch import Tensor
 
 from kdn_compile import reference as ref
-from kdn_compile.ops._dispatch import TRITON, can_launch
-from kdn_compile.ops._registry import FamilyOps, saved_placeholders
+from kdn_compile.ops._dispatch import TRITON, can_launch, metadata_only
+from kdn_compile.ops._registry import (
+    FamilyOps,
+    empty_grads,
+    fill_placeholders,
+    saved_placeholders,
+)
 from kdn_compile.ops._shapes import empty_state
 
 if TRITON:  # else every op takes its reference (see _dispatch.TRITON)
@@ -102,12 +107,12 @@ def chunk_gdn_op(
             state_v_first=state_v_first, state_qdq=state_qdq,
             state_qdq_block_v=state_qdq_block_v,
         )
-        return tuple(q.new_empty(0) if t is None else t for t in out)
+        return fill_placeholders(out, q, v.shape[2])
     o, final_state = torch.ops.kdn.chunk_gdn_reference(
         q, k, v, g, beta, initial_state, cu_seqlens, chunk_size, scale,
         state_v_first, state_qdq, state_qdq_block_v,
     )
-    return (o, final_state, *saved_placeholders(q, len(SAVED)))
+    return (o, final_state, *saved_placeholders(q, len(SAVED), v.shape[2]))
 
 
 @torch.library.triton_op("kdn::chunk_gdn_bwd", mutates_args=())
@@ -126,6 +131,8 @@ def chunk_gdn_bwd_op(
     ``grad_state`` may be None (zero); ``dh0`` is an empty tensor when
     ``initial_state`` is None.
     """
+    if metadata_only(q):
+        return empty_grads(q, (q, k, v, g, beta, initial_state))
     dq, dk, dv, dg, dbeta, dh0 = chunk_gdn_bwd(
         q, k, v, g, beta, initial_state, cu_seqlens, grad_o, grad_state,
         chunk_size=chunk_size, scale=scale, state_v_first=state_v_first,

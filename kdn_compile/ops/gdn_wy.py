@@ -23,8 +23,13 @@ import torch
 from torch import Tensor
 
 from kdn_compile import reference as ref
-from kdn_compile.ops._dispatch import TRITON, can_launch
-from kdn_compile.ops._registry import FamilyOps, saved_placeholders
+from kdn_compile.ops._dispatch import TRITON, can_launch, metadata_only
+from kdn_compile.ops._registry import (
+    FamilyOps,
+    empty_grads,
+    fill_placeholders,
+    saved_placeholders,
+)
 from kdn_compile.ops._shapes import empty_state
 from kdn_compile.reference._common import work_dtype
 
@@ -85,7 +90,7 @@ def gdn_wy_operands_op(
     if _operand_kernels(k, v, g, beta, cu_seqlens, chunk_size):
         return gdn_wy_operands_fwd(k, v, g, beta, cu_seqlens, chunk_size=chunk_size)
     w, u = torch.ops.kdn.gdn_wy_operands_reference(k, v, g, beta, cu_seqlens, chunk_size)
-    return (w, u, *saved_placeholders(k, len(OPERANDS_SAVED)))
+    return (w, u, *saved_placeholders(k, len(OPERANDS_SAVED), v.shape[2]))
 
 
 @torch.library.triton_op("kdn::gdn_wy_operands_bwd", mutates_args=())
@@ -95,6 +100,8 @@ def gdn_wy_operands_bwd_op(
     grad_w: Tensor, grad_u: Tensor,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Gradients of ``kdn::gdn_wy_operands`` on its kernel path: ``(dk, dv, dg, dbeta)``."""
+    if metadata_only(k):
+        return empty_grads(k, (k, v, g, beta))
     return gdn_wy_operands_bwd(k, v, g, beta, cu_seqlens, grad_w, grad_u,
                                chunk_size=chunk_size, prepared=(gc, ai))
 
@@ -171,12 +178,12 @@ def gdn_wy_recurrence_op(
             state_v_first=state_v_first, state_qdq=state_qdq,
             state_qdq_block_v=state_qdq_block_v,
         )
-        return tuple(q.new_empty(0) if t is None else t for t in out)
+        return fill_placeholders(out, q, u.shape[2])
     o, final_state = torch.ops.kdn.gdn_wy_recurrence_reference(
         q, k, w, u, g, initial_state, cu_seqlens, chunk_size, scale, state_v_first, state_qdq,
         state_qdq_block_v,
     )
-    return (o, final_state, *saved_placeholders(q, len(RECURRENCE_SAVED)))
+    return (o, final_state, *saved_placeholders(q, len(RECURRENCE_SAVED), u.shape[2]))
 
 
 @torch.library.triton_op("kdn::gdn_wy_recurrence_bwd", mutates_args=())
@@ -190,6 +197,8 @@ def gdn_wy_recurrence_bwd_op(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Gradients of ``kdn::gdn_wy_recurrence`` on its kernel path: ``(dq, dk, dw, du, dg,
     dh0)``; ``dh0`` is an empty tensor when ``initial_state`` is None."""
+    if metadata_only(q):
+        return empty_grads(q, (q, k, w, u, g, initial_state))
     dq, dk, dw, du, dg, dh0 = gdn_wy_recurrence_bwd(
         q, k, w, u, g, initial_state, cu_seqlens, grad_o, grad_state,
         chunk_size=chunk_size, scale=scale, state_v_first=state_v_first,

@@ -21,8 +21,8 @@ import torch
 from torch import Tensor
 
 from kdn_compile import reference as ref
-from kdn_compile.ops._dispatch import TRITON, can_launch
-from kdn_compile.ops._registry import FamilyOps, saved_placeholders
+from kdn_compile.ops._dispatch import TRITON, can_launch, metadata_only
+from kdn_compile.ops._registry import FamilyOps, empty_grads, saved_placeholders
 from kdn_compile.ops._shapes import empty_state
 
 if TRITON:  # else every op takes its reference (see _dispatch.TRITON)
@@ -102,7 +102,7 @@ def chunk_kda_op(
     o, final_state = torch.ops.kdn.chunk_kda_reference(
         q, k, v, g, beta, initial_state, cu_seqlens, chunk_size, scale, state_v_first
     )
-    return (o, final_state, *saved_placeholders(q, len(SAVED)))
+    return (o, final_state, *saved_placeholders(q, len(SAVED), v.shape[2]))
 
 
 @torch.library.triton_op("kdn::chunk_kda_bwd", mutates_args=())
@@ -121,6 +121,8 @@ def chunk_kda_bwd_op(
     ``beta dw``, ``dbeta = sum_K dw k``) and the gate's floor. ``grad_state`` may be
     None (zero); ``dh0`` is an empty tensor when ``initial_state`` is None.
     """
+    if metadata_only(q):
+        return empty_grads(q, (q, k, v, g, beta, initial_state))
     dq, dk, dbeta, dv, dg, dh0 = two_key_bwd(
         q, k, None, v, g, initial_state, cu_seqlens,
         c, qd, kd, wl, tmat, rmat, h, x, chunk_seq, chunk_first, grad_o, grad_state,

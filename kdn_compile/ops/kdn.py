@@ -24,8 +24,8 @@ import torch
 from torch import Tensor
 
 from kdn_compile import reference as ref
-from kdn_compile.ops._dispatch import TRITON, _tracing, can_launch, plain
-from kdn_compile.ops._registry import FamilyOps, saved_placeholders
+from kdn_compile.ops._dispatch import TRITON, _tracing, can_launch, metadata_only, plain
+from kdn_compile.ops._registry import FamilyOps, empty_grads, saved_placeholders
 from kdn_compile.ops.kda import SAVED as TWO_KEY_SAVED
 from kdn_compile.reference._common import segments, work_dtype
 
@@ -105,8 +105,10 @@ def _memory_kernels(q, v, chunk_size) -> bool:
     return can_launch(q) and two_key_kernel_supports(q, v, chunk_size=chunk_size)
 
 
-# The outputs of kdn::diag_kdn after (output, memory, precision): what its backward reads.
-SAVED = ("gain", "chunk_cov", "final_cov") + TWO_KEY_SAVED
+# The outputs of kdn::diag_kdn after (output, memory, precision): what its backward reads,
+# the gain scan's then the two-key kernels'.
+GAIN_SAVED = ("gain", "chunk_cov", "final_cov")
+SAVED = GAIN_SAVED + TWO_KEY_SAVED
 
 
 @torch.library.triton_op("kdn::diag_kdn_memory_bwd", mutates_args=())
@@ -123,6 +125,8 @@ def diag_kdn_memory_bwd_op(
     Returns ``(dq, dk, dv, dlog_alpha, dgain, dmemory)``; ``dlog_alpha`` is zero
     where ``log_alpha`` sits below the memory floor (the clamp's gradient).
     """
+    if metadata_only(q):
+        return empty_grads(q, (q, k, v, log_alpha, gain, memory))
     dq, dk, dgain, dv, dlog_alpha, dmemory = two_key_bwd(
         q, k, gain, v, log_alpha, memory, cu_seqlens,
         c, qd, kd, wl, tmat, rmat, h, x, chunk_seq, chunk_first, grad_output, grad_memory,
@@ -142,6 +146,8 @@ def kalman_gain_bwd_op(
     forward's saved covariances: ``(dk, dlog_alpha, domega, dr, dprecision)``, with
     ``dk_add`` and ``dlog_alpha_add`` (the memory's) added. An op, so that it dispatches
     on DTensors like the rest of the backward."""
+    if metadata_only(k):
+        return empty_grads(k, (k, log_alpha, omega, r, precision))
     return kalman_gain_bwd(
         k, log_alpha, omega, r, precision, cu_seqlens, chunk_cov, final_cov, dgain, dprecision,
         info_scale=info_scale, dk_add=dk_add, dlog_alpha_add=dlog_alpha_add)
@@ -163,7 +169,7 @@ def diag_kdn_op(
             q, k, v, log_alpha, omega, r, memory, precision, cu_seqlens, scale, info_scale,
             chunk_size,
         )
-        return (*found, *saved_placeholders(q, len(SAVED)))
+        return (*found, *saved_placeholders(q, len(SAVED), q.shape[2]))
     memory_kernels = _memory_kernels(q, v, chunk_size)
     # The memory kernels read the gains as their write key (in float32 products): stored
     # in a half k's dtype, as KDA's w = beta k comes from half inputs, they cost half the
@@ -182,7 +188,7 @@ def diag_kdn_op(
     else:
         output, memory = _memory(q, k, v, log_alpha, gain, memory, cu_seqlens, scale,
                                  chunk_size)
-        two_key_saved = saved_placeholders(q, len(TWO_KEY_SAVED))
+        two_key_saved = saved_placeholders(q, len(TWO_KEY_SAVED), q.shape[2])
     return (output, memory, final_precision, gain, chunk_cov, final_cov, *two_key_saved)
 
 

@@ -16,10 +16,16 @@ over the mesh. Ops that write into an argument (the decode ops, ``scatter_slots`
 run with that argument's own placement, so the write lands in its shards.
 
 The kernel ops return tensors that only their backward reads: sharded on their head
-dimension where the kernels run, replicated placeholders where the reference runs
-(decided as the op decides, from shapes, dtypes and the mesh's device); a flat
-per-chunk buffer (the Kalman gain's chunk covariances, the exchange ops' gathered
-maps) is ``Shard(0)``, whose local size is its per-rank size.
+dimension where the kernels run (a placeholder among them too), replicated placeholders
+where the reference runs (decided as the op decides, from shapes, dtypes and the mesh's
+device); a flat per-chunk buffer (the Kalman gain's chunk covariances, the exchange ops'
+gathered maps) is ``Shard(0)``, whose local size is its per-rank size. DTensor takes the
+global metadata of an op's outputs from the op run on fake tensors, which torch 2.11
+builds on the CPU whatever the mesh's device: the op then takes its reference branch,
+and a saved output carries a placeholder's metadata while the ranks hold the kernels'
+tensors. The placeholders (empty ``[H, H, H, 0]``) take every placement the saved
+tensors take, and the backward ops, run on such fake tensors, return their gradients'
+metadata without reading them (:func:`~kdn_compile.ops._dispatch.metadata_only`).
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ DIAG_KDN = {"q": 2, "k": 2, "v": 2, "log_alpha": 2, "omega": 2, "r": 2, "memory"
             "precision": 1}
 GDN_SAVED = {"gc": 2, "ai": 2, "aqk": 2, "hs": 1, "hs_scales": 1}  # hs*: state_qdq's chunk states
 TWO_KEY_SAVED = {"c": 1, "qd": 1, "kd": 1, "wl": 1, "tmat": 1, "rmat": 1, "h": 1, "x": 1}
+GAIN_SAVED = {"gain": 2, "chunk_cov": FLAT, "final_cov": 1}  # the gain scan's
 GRADS = {"grad_0": 2, "grad_o": 2, "grad_output": 2, "grad_state": 1, "grad_memory": 1}
 
 
@@ -158,15 +165,22 @@ def _delta_grads(bound, initial="initial_state", count=5):
     return [2] * count + [_optional(1, bound, initial)]
 
 
+def _saved(run: bool, heads: dict, names) -> list:
+    """The head dims of a kernel op's saved outputs ``names``: their ``heads`` where the
+    kernels run (placeholders among them too; None for a name without one, as the
+    kernels' chunk maps, the same on every rank), else None (the reference's
+    placeholders)."""
+    return [heads.get(n) if run else None for n in names]
+
+
 def gdn_outputs(bound: dict) -> list:
-    """The head dims of ``kdn::chunk_gdn``'s outputs (None: replicated): the saved tensors
-    of its kernel path too, the float8 chunk states with ``state_qdq`` (placeholders
-    without, and after the reference)."""
+    """The head dims of ``kdn::chunk_gdn``'s outputs (None: replicated), its saved tensors'
+    where the kernels run (the float8 chunk states' placeholders without ``state_qdq``
+    too)."""
     run = gdn._gdn_kernels(*_meta(bound, "q", "k", "v", "g", "beta", "initial_state",
                                   "cu_seqlens"), bound["chunk_size"], bound["state_qdq"],
                            bound["state_qdq_block_v"])
-    states = 1 if run and bound["state_qdq"] else None
-    return [2, 1] + [2 if run else None] * 3 + [states, states]
+    return [2, 1] + _saved(run, GDN_SAVED, gdn.SAVED)
 
 
 def _register_delta_rule():
@@ -182,8 +196,7 @@ def _register_delta_rule():
 
     def kda_outputs(b):
         run = kda._kda_kernels(*_meta(b, "q", "v"), b["chunk_size"])
-        return [2, 1] + ([1] * len(TWO_KEY_SAVED) if run else [None] * len(TWO_KEY_SAVED)) + [
-            None, None]  # chunk_seq, chunk_first: the chunk map, the same on every rank
+        return [2, 1] + _saved(run, TWO_KEY_SAVED, kda.SAVED)
 
     _rule(_ops.chunk_kda.default, DELTA, kda_outputs)
     _rule(_ops.chunk_kda_bwd.default, {**DELTA, **TWO_KEY_SAVED, **GRADS}, _delta_grads)
@@ -201,14 +214,13 @@ def _register_delta_rule():
     def wy_operands_outputs(b):
         run = gdn_wy._operand_kernels(*_meta(b, "k", "v", "g", "beta", "cu_seqlens"),
                                       b["chunk_size"])
-        return [2, 2] + [2 if run else None] * len(gdn_wy.OPERANDS_SAVED)
+        return [2, 2] + _saved(run, wy_operands, gdn_wy.OPERANDS_SAVED)
 
     def wy_recurrence_outputs(b):
         run = gdn_wy._recurrence_kernels(
             *_meta(b, "q", "k", "w", "u", "g", "initial_state", "cu_seqlens"),
             b["chunk_size"], b["state_qdq"], b["state_qdq_block_v"])
-        states = 1 if run and b["state_qdq"] else None
-        return [2, 1] + [2 if run else None] * 2 + [states, states]
+        return [2, 1] + _saved(run, GDN_SAVED, gdn_wy.RECURRENCE_SAVED)
 
     _rule(_ops.gdn_wy_operands.default, wy_operands, wy_operands_outputs)
     _rule(_ops.gdn_wy_operands_bwd.default, wy_operands, [2, 2, 2, 2])
@@ -228,17 +240,16 @@ def _register_diag_kdn():
             b, "q", "k", "v", "log_alpha", "omega", "r", "precision", "cu_seqlens")
         gains = kdn._gain_kernels(q, k, log_alpha, omega, r, precision, cu)
         memory = gains and kdn._memory_kernels(q, v, b["chunk_size"])
-        saved = [2, FLAT, 1] if gains else [None] * 3  # gain, chunk covariances, final one
-        two_key = [1] * len(TWO_KEY_SAVED) if memory else [None] * len(TWO_KEY_SAVED)
-        return [2, 1, 1] + saved + two_key + [None, None]
+        return [2, 1, 1] + _saved(gains, GAIN_SAVED, kdn.GAIN_SAVED) + (
+            _saved(memory, TWO_KEY_SAVED, kda.SAVED))
 
     _rule(_ops.diag_kdn.default, DIAG_KDN, diag_kdn_outputs)
     _rule(_ops.diag_kdn_memory_bwd.default,
           {"q": 2, "k": 2, "v": 2, "log_alpha": 2, "gain": 2, "memory": 1, **TWO_KEY_SAVED,
            **GRADS}, [2] * 5 + [1])
     _rule(_ops.kalman_gain_bwd.default,
-          {"k": 2, "log_alpha": 2, "omega": 2, "r": 2, "precision": 1, "chunk_cov": FLAT,
-           "final_cov": 1, "dgain": 2, "dprecision": 1, "dk_add": 2, "dlog_alpha_add": 2},
+          {"k": 2, "log_alpha": 2, "omega": 2, "r": 2, "precision": 1, **GAIN_SAVED,
+           "dgain": 2, "dprecision": 1, "dk_add": 2, "dlog_alpha_add": 2},
           [2, 2, 2, 2, 1])
     _rule(_ops.mobius_product_reference.default, {"maps": 2}, [1])
     _rule(_ops.mobius_product_reference_bwd.default, {"maps": 2, "grad_0": 1}, [2])
