@@ -128,7 +128,8 @@ def chunk_gdn(
         state_v_first: states are value-major.
         state_qdq: fake-quantize the state to FP8 E4M3 (initial state and each
             chunk's final state, after its readout), one scale per
-            ``[K, state_qdq_block_v]`` tile, straight-through gradient.
+            ``[K, state_qdq_block_v]`` tile (as :func:`state_fp8_qdq`: a tile decayed
+            below amax ~5.3e-36 becomes zeros), straight-through gradient.
         state_qdq_block_v: value columns per FP8 scale.
         w_quantizer: callable applied once to the whole WY operand
             ``W [B, T, Hv, K]`` (float32; float64 for float64 inputs); with it the
@@ -413,8 +414,10 @@ def diag_kdn(
 def state_fp8_qdq(state: torch.Tensor, block_v: int = 64) -> torch.Tensor:
     """FP8 E4M3 quantize-dequantize of a key-first state ``[..., K, V]``.
 
-    One dynamic scale (``amax / 448``; 1 for an all-zero tile) per
-    ``[K, block_v]`` tile, the last tile may be partial; identity
+    One dynamic scale per ``[K, block_v]`` tile, the last tile may be partial:
+    ``amax * (1 / 448)`` in ``promote_types(state.dtype, float32)``, or 1 where that is
+    below ``2^-126`` (amax below ~5.3e-36: an all-zero, subnormal or tiny tile, which
+    comes back as zeros, off by at most its amax, never NaN); identity
     (straight-through) gradient. Returns a tensor like ``state`` (same shape and
     dtype). On CUDA (backend ``"auto"``) a Triton kernel for float16, bfloat16 and float32
     states, equal to the reference bit for bit; float64 and the ``"reference"`` backend run

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from kdn_compile.reference.fp8 import E4M3_MAX
+from kdn_compile.reference.fp8 import e4m3_scale
 
 __all__ = ["fp8_row_qdq"]
 
@@ -19,15 +19,21 @@ def fp8_row_qdq(w: torch.Tensor) -> torch.Tensor:
     """E4M3 quantize-dequantize of ``w`` with one dynamic scale per row (last dim), and the
     identity (straight-through) gradient.
 
-    Each row is divided by ``amax / 448`` (1 for an all-zero row), rounded to
+    Each row is divided by its scale ``amax * (1 / 448)``, rounded to
     ``torch.float8_e4m3fn`` (nearest, ties to even) and multiplied back; the rounding and
-    the scales contribute no derivative. Elementwise PyTorch: Inductor fuses it.
+    the scales contribute no derivative. The scales, the division and the rounding happen
+    in ``promote_types(w.dtype, float32)`` whatever ``w``'s dtype (a float16 scale would
+    underflow), the result is cast back to ``w.dtype``. A row whose ``amax * (1 / 448)``
+    is below ``2^-126`` (amax below ~5.3e-36: all zero, subnormal or tiny) takes scale 1
+    and comes back as zeros, off by at most its amax, never NaN: the rule of
+    :func:`kdn_compile.reference.fp8.e4m3_scale`, as for the FP8 state. Elementwise
+    PyTorch: Inductor fuses it.
 
     Args:
         w: a floating tensor ``[..., K]`` (for ``w_quantizer``: ``W [B, T, Hv, K]``).
 
     Returns:
-        A tensor like ``w`` (same shape and dtype).
+        A tensor like ``w`` (same shape and dtype: float16, bfloat16, float32 or float64).
 
     Raises:
         Nothing of its own: ``w`` is meant to be the float32 ``W`` that ``chunk_gdn``
@@ -41,7 +47,7 @@ def fp8_row_qdq(w: torch.Tensor) -> torch.Tensor:
         >>> o, state = kdn_compile.chunk_gdn(q, k, v, g, beta, w_quantizer=fp8_row_qdq)  # doctest: +SKIP
     """
     with torch.no_grad():
-        amax = w.abs().amax(-1, keepdim=True)
-        scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
-        rounded = (w / scale).to(torch.float8_e4m3fn).to(w.dtype) * scale
+        wide = w.to(torch.promote_types(w.dtype, torch.float32))
+        scale = e4m3_scale(wide.abs().amax(-1, keepdim=True))
+        rounded = ((wide / scale).to(torch.float8_e4m3fn).to(wide.dtype) * scale).to(w.dtype)
     return w + (rounded - w).detach()

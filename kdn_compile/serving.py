@@ -103,7 +103,9 @@ def delta_rule_decode(
             :func:`kdn_compile.reference.state_fp8_qdq_reference`); updated in place. The
             kernels dequantize on load and quantize on store exactly as
             :func:`kdn_compile.reference.fp8.quantize_state_fp8` (bit for bit on the same
-            float32 state).
+            float32 state): a tile whose ``amax * (1 / 448)`` falls below ``2^-126`` (a
+            state decayed to almost nothing) is stored as zeros with scale 1, as a fresh
+            slot is.
         intermediate_states: optional ``[B, T, Hv, K, V]`` (value-major with
             ``state_v_first``) float32 or bfloat16 (float64 with a float64 pool),
             contiguous: receives the state after every token, so a verifier can roll back

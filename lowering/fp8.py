@@ -1,9 +1,10 @@
 """FP8 E4M3 state tiles in Triton: the quantize / dequantize helpers and the QDQ kernel.
 
-One dynamic scale per ``[K, block_v]`` tile of a key-first state: ``scale = amax * (1 /
-448)`` (the float32 reciprocal, as PyTorch's CUDA division by a scalar computes it; 1 for
-an all-zero tile), values ``state / scale`` (a correctly rounded division, ``div_rn``)
-rounded to nearest-even E4M3, dequantized as ``float32(values) * scale``. This is
+One dynamic scale per ``[K, block_v]`` tile of a key-first state, by :func:`e4m3_scale`:
+``scale = amax * (1 / 448)`` (the float32 reciprocal, as PyTorch's CUDA division by a
+scalar computes it), or 1 where that is below ``2^-126`` (an all-zero, subnormal or tiny
+tile, which then stores zeros); values ``state / scale`` (a correctly rounded division,
+``div_rn``) rounded to nearest-even E4M3, dequantized as ``float32(values) * scale``. This is
 :func:`kdn_compile.reference.fp8.quantize_state_fp8` and ``dequantize_state_fp8`` bit for
 bit on the same float32 tile, so the same helpers serve every user:
 
@@ -28,6 +29,7 @@ __all__ = [
 ]
 
 E4M3_MAX = 448.0
+E4M3_MIN_SCALE: tl.constexpr = tl.constexpr(2.0 ** -126)  # the smallest normal float32
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _TILE = 128 * 64  # elements of a scale tile held in registers at once (float32, 4 warps)
 _SUB = 64  # rows and columns of the register tiles a larger scale tile is walked in
@@ -57,8 +59,12 @@ def round_to_e4m3(y):
 
 @triton.jit
 def e4m3_scale(amax):
-    """The scale of a tile whose largest magnitude is ``amax``: ``amax * (1 / 448)``, 1 if 0."""
-    return tl.where(amax > 0, amax * (1.0 / 448.0), 1.0)
+    """The scale of a tile whose largest magnitude is ``amax`` (float32): ``amax * (1 /
+    448)`` where that is at least ``2^-126`` (the smallest normal float32), else 1 (an
+    all-zero, subnormal or tiny tile: its values round to zeros). The rule of
+    :func:`kdn_compile.reference.fp8.e4m3_scale`, bit for bit; every kernel's scale."""
+    scale = amax * (1.0 / 448.0)
+    return tl.where(scale >= E4M3_MIN_SCALE, scale, 1.0)
 
 
 @triton.jit

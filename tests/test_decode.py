@@ -104,7 +104,8 @@ def test_decode_kernel_matches_reference(per_key, pool_dtype, state_v_first):
 
 def test_float8_store_is_bit_exact_on_the_same_state():
     """The kernel's float8 quantizer == quantize_state_fp8 bit for bit: a step that leaves
-    the state as it is (beta = 0, g = 0) from a random float32 pool into a float8 one."""
+    the state as it is (beta = 0, g = 0) from a random float32 pool into a float8 one, an
+    all-zero tile and a tile of subnormals among its tiles."""
     from kdn_compile.lowering.recurrent import recurrent_delta_fwd
 
     B, Hv, K, V = 4, 2, 16, 72
@@ -112,6 +113,9 @@ def test_float8_store_is_bit_exact_on_the_same_state():
     gen = torch.Generator().manual_seed(7)
     state = torch.randn(B, Hv, K, V, generator=gen) * torch.logspace(-12, 3, V)
     state[1, 0, :, :64] = 0.0  # an all-zero tile: scale 1
+    # a tile of nonzero float32 subnormals: scale 1 too (amax * (1 / 448) is below 2^-126)
+    tiny = torch.randn(K, V - 64, generator=gen, dtype=torch.float64) * 1e-43
+    state[2, 1, :, 64:] = (tiny.sign() * tiny.abs().clamp_min(2e-45)).float()
     out = torch.empty(B, Hv, K, V, dtype=FP8)
     scales = torch.empty(B, Hv, 2)
     _, ok = recurrent_delta_fwd(x["q"], x["k"], x["v"], torch.zeros_like(x["g"]),
@@ -122,6 +126,7 @@ def test_float8_store_is_bit_exact_on_the_same_state():
     assert torch.equal(scales, expected_scales)
     assert torch.equal(out.view(torch.uint8), values.view(torch.uint8))
     assert scales[1, 0, 0] == 1.0
+    assert scales[2, 1, 1] == 1.0 and state[2, 1, :, 64:].abs().amax() > 0
 
 
 @pytest.mark.parametrize("backend", ["triton", "reference"])
@@ -142,6 +147,53 @@ def test_float8_pool_round_trip_is_state_fp8_qdq(backend):
         assert torch.equal(got[idx], expected)
     else:
         assert_close(got[idx], expected, 7e-2, "kernel float8 pool")
+
+
+def check_decayed_slot_is_written_as_fresh(backend, pool_dtype, seed, device="cpu", steps=40):
+    """Decode slot 0 of a random pool for ``steps`` steps of ``g = -3``, ``beta = 0`` (its
+    state shrinks by ``e^-3`` a step, through float32 subnormals to nothing; a float8
+    tile's scale falls below ``2^-126`` and becomes 1), then write it and the fresh slot 2
+    (zeros; float8 scales 1) in one step of ``beta > 0``, the same inputs on both rows.
+    Every output and both slots stay finite; the write gives slot 0 what it gives the
+    fresh slot, exactly: the same output, state and (float8) scales."""
+    Hv, K, V = 2, 8, 80  # float8: a whole 64-column tile and a partial one
+    pool, scales, _ = _pool(3, Hv, K, V, pool_dtype, seed=seed)
+    pool[2].zero_()
+    if scales is not None:
+        scales[2] = 1.0
+    pool = pool.to(device)
+    scales = None if scales is None else scales.to(device)
+    x = delta_inputs(B=1, T=steps + 1, Hk=1, Hv=Hv, K=K, V=V, dtype=torch.float32,
+                     with_state=False, seed=seed)
+    x["g"][:, :steps], x["beta"][:, :steps] = -3.0, 0.0
+    x["beta"][:, steps] += 0.1
+    x = {n: t.to(device) for n, t in x.items()}
+    with kdn_compile.use_backend(backend):
+        for t in range(steps):
+            step = [u[:, t:t + 1] for u in x.values()]
+            o = kdn_compile.delta_rule_decode(
+                *step, pool, torch.tensor([0], device=device), pool_scales=scales)
+            assert torch.isfinite(o).all(), f"output of decay step {t}"
+            assert torch.isfinite(_as_float(pool, scales)[0]).all(), f"slot after step {t}"
+        step = [u[:, steps:].expand(2, *[-1] * (u.dim() - 1)).contiguous() for u in x.values()]
+        o = kdn_compile.delta_rule_decode(
+            *step, pool, torch.tensor([0, 2], device=device), pool_scales=scales)
+    written = _as_float(pool, scales)
+    assert torch.isfinite(o).all() and torch.isfinite(written).all()
+    assert torch.equal(o[0], o[1]), "the output of the write"
+    assert torch.equal(written[0], written[2]), "the written state"
+    assert written[2].abs().amax() > 0, "the write wrote something"
+    if scales is not None:
+        assert torch.equal(scales[0], scales[2]), "the written scales"
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16, FP8],
+                         ids=["f32", "bf16", "fp8"])
+def test_a_slot_decayed_to_nothing_is_written_as_a_fresh_slot(backend, pool_dtype, seed):
+    """:func:`check_decayed_slot_is_written_as_fresh` on the CPU: the reference, and the
+    kernel in Triton's interpreter."""
+    check_decayed_slot_is_written_as_fresh(backend, pool_dtype, seed)
 
 
 @pytest.mark.parametrize("per_key", [False, True], ids=["gdn", "kda"])

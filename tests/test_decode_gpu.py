@@ -100,6 +100,9 @@ def test_float8_store_bit_exact_on_the_gpu():
 
     x = _inputs(8, 1, 2, 4, 128, 128, False, torch.bfloat16, seed=5)
     state = torch.randn(8, 4, 128, 128, device="cuda") * torch.logspace(-12, 3, 128, device="cuda")
+    # a tile of nonzero float32 subnormals: scale 1 (amax * (1 / 448) is below 2^-126)
+    tiny = torch.randn(128, 64, dtype=torch.float64) * 1e-43
+    state[5, 2, :, 64:] = (tiny.sign() * tiny.abs().clamp_min(2e-45)).float().cuda()
     out = torch.empty(8, 4, 128, 128, device="cuda", dtype=FP8)
     scales = torch.empty(8, 4, 2, device="cuda")
     _, ok = recurrent_delta_fwd(x["q"], x["k"], x["v"], torch.zeros_like(x["g"]),
@@ -109,6 +112,17 @@ def test_float8_store_bit_exact_on_the_gpu():
     assert bool(ok)
     assert torch.equal(scales, expected)
     assert torch.equal(out.view(torch.uint8), values.view(torch.uint8))
+    assert scales[5, 2, 1] == 1.0
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16, FP8],
+                         ids=["f32", "bf16", "fp8"])
+def test_a_slot_decayed_to_nothing_is_written_as_a_fresh_slot(backend, pool_dtype, seed):
+    """:func:`test_decode.check_decayed_slot_is_written_as_fresh` on CUDA."""
+    from test_decode import check_decayed_slot_is_written_as_fresh
+
+    check_decayed_slot_is_written_as_fresh(backend, pool_dtype, seed, device="cuda")
 
 
 @pytest.mark.parametrize("T", [1, 4])

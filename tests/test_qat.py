@@ -14,8 +14,9 @@ import pytest
 import torch
 
 import kdn_compile
+from _helpers import kernels
 from kdn_compile.quantization import fp8_row_qdq
-from kdn_compile.reference.fp8 import quantize_state_fp8, state_fp8_qdq_reference
+from kdn_compile.reference.fp8 import e4m3_scale, quantize_state_fp8, state_fp8_qdq_reference
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 needs_kernels = pytest.mark.skipif(not (torch.cuda.is_available() or INTERPRET),
@@ -24,11 +25,14 @@ needs_kernels = pytest.mark.skipif(not (torch.cuda.is_available() or INTERPRET),
 
 def fp8_states(shape, block_v, dtype, device="cpu", seed=0) -> torch.Tensor:
     """Random states whose columns span 15 decades, with an all-zero first tile in the first
-    matrix (scale 1), a ``-0.0`` and values that round to zero in E4M3."""
+    matrix (scale 1), a last tile of float32 subnormals in the last matrix (scale 1 too:
+    zeros in float16), a ``-0.0`` and values that round to zero in E4M3."""
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(*shape, generator=gen) * torch.logspace(-12, 3, shape[-1])
     x = x.reshape(-1, *shape[-2:])
     x[0, :, :block_v] = 0.0
+    last = (shape[-1] - 1) // block_v * block_v
+    x[-1, :, last:] = (x[-1, :, last:].double() * 1e-46).float()
     x[-1, 0, -1] = -0.0
     return x.reshape(shape).to(device=device, dtype=dtype)
 
@@ -66,6 +70,134 @@ def test_qdq_kernel_is_the_reference_bit_for_bit(shape, block_v, dtype):
     assert same_bits(state_fp8_qdq_fwd(x, block_v), state_fp8_qdq_reference(x, block_v))
 
 
+# -- the scale rule: amax * (1 / 448), or 1 below 2^-126 (the tile then stores zeros) ------------
+
+# Tile amaxes from 0 through float32 subnormals and the threshold (448 * 2^-126 ~ 5.27e-36
+# lies between 5e-36 and 6e-36) to the top of float32.
+AMAXES = [0.0, 1e-45, 1e-43, 6e-43, 1e-40, 2.0 ** -126, 1e-37, 5e-36, 6e-36, 1e-30, 1.0, 1e30,
+          3.4e38]
+TINY = 5.3e-36  # the amaxes below take scale 1
+
+
+def tiles_with_amax(amaxes, dtype=torch.float32, seed=0, k=4, v=8) -> torch.Tensor:
+    """``[len(amaxes), k, v]``: one random tile per amax, uniform in ``[-amax, amax]`` with one
+    element of magnitude ``amax`` (amaxes ``dtype`` cannot hold are the caller's concern)."""
+    gen = torch.Generator().manual_seed(seed)
+    amax = torch.tensor(amaxes, dtype=torch.float64)[:, None, None]
+    x = (2 * torch.rand(len(amaxes), k, v, generator=gen, dtype=torch.float64) - 1) * amax
+    x[:, 0, 0] = amax[:, 0, 0] * torch.where(torch.rand(len(amaxes), generator=gen) < 0.5, -1, 1)
+    return x.to(dtype)
+
+
+def e4m3_error_bound(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Largest ``|QDQ(x) - x|`` (float64) for values ``x`` of a tile of scale ``scale``: half
+    an E4M3 step, ``2^-4 |x|`` in the normal range, ``2^-10 scale`` in the subnormal one, and
+    the float32 rounding of the quotient and the product (one smallest subnormal)."""
+    return (2.0 ** -4 * (1 + 2.0 ** -20)) * x.abs().double() + 2.0 ** -10 * scale.double() \
+        + 2.0 ** -149
+
+
+def test_scales_never_underflow_and_tiny_tiles_store_zeros(seed):
+    """At every amax the scale is finite and positive and the QDQ finite: within half an E4M3
+    step where the scale is ``amax * (1 / 448)``; scale 1 and zeros (off by at most the amax)
+    for a tile below ``448 * 2^-126``."""
+    x = tiles_with_amax(AMAXES, seed=seed)
+    amax = x.abs().amax((-2, -1))
+    assert torch.equal(amax, torch.tensor(AMAXES, dtype=torch.float32))
+    scales = e4m3_scale(amax)
+    assert torch.isfinite(scales).all() and (scales > 0).all(), scales
+    values, tile_scales = quantize_state_fp8(x, 8)
+    assert same_bits(tile_scales[:, 0], scales)
+    y = state_fp8_qdq_reference(x, 8)
+    assert torch.isfinite(y).all()
+    tiny = amax < TINY
+    assert torch.equal(scales[tiny], torch.ones(int(tiny.sum())))
+    assert torch.equal(y[tiny], torch.zeros_like(y[tiny]))
+    assert ((y - x).abs()[tiny] <= amax[tiny, None, None]).all()
+    normal = ~tiny
+    assert torch.equal(scales[normal], amax[normal] * (1.0 / 448.0))
+    assert (scales[normal] >= 2.0 ** -126).all()
+    err = (y - x).abs().double()[normal]
+    assert (err <= e4m3_error_bound(x[normal], scales[normal, None, None])).all()
+
+
+@kernels
+def test_qdq_kernel_is_the_reference_at_every_amax(seed):
+    """The QDQ kernel == the reference bit for bit at every amax of :data:`AMAXES`: values,
+    scales (1 below the threshold) and the QDQ, alone and through ``kdn_compile.state_fp8_qdq``."""
+    from kdn_compile.lowering.fp8 import state_fp8_qdq_fwd
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    x = tiles_with_amax(AMAXES, seed=seed).to(device)
+    values, scales = state_fp8_qdq_fwd(x, 8, split=True)
+    expected_values, expected_scales = quantize_state_fp8(x, 8)
+    assert same_bits(values, expected_values)
+    assert same_bits(scales, expected_scales)
+    assert torch.isfinite(scales).all() and (scales > 0).all()
+    expected = state_fp8_qdq_reference(x, 8)
+    assert torch.isfinite(expected).all()
+    assert same_bits(state_fp8_qdq_fwd(x, 8), expected)
+    with kdn_compile.use_backend("triton"):
+        assert same_bits(kdn_compile.state_fp8_qdq(x, 8), expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16],
+                         ids=["fp32", "fp16", "bf16"])
+def test_fp8_row_qdq_scales_in_float32_and_tiny_rows_give_zeros(dtype, seed):
+    """``fp8_row_qdq`` on rows of every amax its dtype holds (float16 ones below 448 * 2^-14
+    included, whose scales a float16 quotient would round or flush to 0): finite, zeros for
+    a row below the threshold, within half an E4M3 step (and ``w``'s own rounding) of ``w``
+    otherwise, and equal to the float32 computation rounded to ``dtype``."""
+    info = torch.finfo(dtype)
+    amaxes = [a for a in AMAXES + [6e-8, 1e-5, 1e-3, 6e4]
+              if a == 0 or 0 < float(torch.tensor(a).to(dtype)) < float("inf")]
+    w = tiles_with_amax(amaxes, dtype, seed=seed, k=3, v=16)
+    y = fp8_row_qdq(w)
+    assert y.dtype == dtype and torch.isfinite(y).all()
+    amax = w.float().abs().amax(-1, keepdim=True).expand_as(w)
+    tiny = amax < TINY
+    assert torch.equal(y[tiny], torch.zeros_like(y[tiny]))
+    bound = (e4m3_error_bound(w, amax / 448) + info.eps * w.abs().double()
+             + info.smallest_normal * info.eps)
+    assert ((y - w).abs().double()[~tiny] <= bound[~tiny]).all()
+    if dtype != torch.float32:
+        assert same_bits(y, fp8_row_qdq(w.float()).to(dtype))
+
+
+@pytest.mark.parametrize("backend", [
+    "reference", pytest.param("triton", marks=(pytest.mark.interpreter, pytest.mark.gpu))])
+def test_state_qdq_through_a_state_decayed_below_every_scale(backend, monkeypatch, seed):
+    """``chunk_gdn(state_qdq=True)`` over three chunks, the middle one with ``beta = 0`` and
+    gates summing to -100: the chunk state at its end is ``e^-100`` of the one before
+    (float32 subnormals), which quantizes to zeros. Outputs, final state and gradients are
+    finite and within half an E4M3 step (``2^-4``, relative) of the run without QDQ."""
+    from _helpers import assert_close, count_calls, delta_inputs
+    from kdn_compile.ops import gdn
+
+    device = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
+    x = delta_inputs(B=1, T=192, Hk=1, Hv=2, K=16, V=16, dtype=torch.float32, seed=seed)
+    x["g"][:, 64:128] = -100 / 64
+    x["beta"][:, 64:128] = 0.0
+    calls = count_calls(monkeypatch, gdn, ("chunk_gdn_fwd",)) if backend == "triton" else []
+    gen = torch.Generator().manual_seed(seed + 1)
+    runs = []
+    for qdq in (True, False):
+        leaves = {n: t.to(device).requires_grad_() for n, t in x.items()}
+        with kdn_compile.use_backend(backend):
+            o, ht = kdn_compile.chunk_gdn(**leaves, state_qdq=qdq, state_qdq_block_v=16)
+        if not runs:
+            do = torch.randn(o.shape, generator=gen).to(device)
+            dht = torch.randn(ht.shape, generator=gen).to(device)
+        grads = torch.autograd.grad((o, ht), list(leaves.values()), (do, dht))
+        runs.append((o, ht, grads))
+    assert len(calls) == (2 if backend == "triton" else 0), "the kernels ran"
+    (o, ht, grads), (plain_o, plain_ht, plain_grads) = runs
+    for name, got, plain in [("o", o, plain_o), ("final state", ht, plain_ht),
+                             *((f"d{n}", a, b) for n, a, b in zip(x, grads, plain_grads))]:
+        assert torch.isfinite(got).all(), name
+        assert_close(got, plain, 2.0 ** -4, name)
+
+
 @needs_kernels
 def test_state_fp8_qdq_takes_the_kernel_and_passes_gradients_through(monkeypatch):
     from kdn_compile.ops import fp8 as fp8_ops
@@ -83,14 +215,14 @@ def test_state_fp8_qdq_takes_the_kernel_and_passes_gradients_through(monkeypatch
     assert torch.equal(x.grad, grad), "straight-through"
 
 
-@pytest.mark.parametrize("which,expected", [("gdn-qdq", "counts [2, 2]"),
+@pytest.mark.parametrize("which,expected", [("gdn-qdq", "counts [2, 3]"),
                                             ("wy", "counts [4, 4]")])
 def test_qat_kernel_paths_trace_as_on_the_gpu(which, expected):
     """The kernel branches traced on the CPU (tests/_trace_kernel_path.py) with
     ``fullgraph=True`` through AOTAutograd's min-cut partitioner, as on the H200.
     ``gdn-qdq``: ``kdn::chunk_gdn`` with FP8 state QDQ, the float8 chunk states among its
-    saved outputs: two forward launches (prepare, recurrence), two backward (no recomputed
-    states). ``wy``: ``chunk_gdn`` with a ``w_quantizer`` in the graph between the operands
+    saved outputs: two forward launches (prepare, recurrence), three backward (each chunk's
+    ``delta`` from the saved states, state pass, gradients; no recomputed states). ``wy``: ``chunk_gdn`` with a ``w_quantizer`` in the graph between the operands
     (prepare, W and U) and the recurrence (prepare, recurrence); backward: recomputed
     states, state pass, gradients, then the operands' gradients."""
     import subprocess

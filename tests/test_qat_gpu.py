@@ -79,13 +79,18 @@ def _grads(outputs, leaves, cotangents):
     return dict(zip(names, torch.autograd.grad(outputs, [leaves[n] for n in names], cotangents)))
 
 
-def _against_reference(fn, options, dtype, tol, state_tol, seed, T=700):
+def _against_reference(fn, options, dtype, tol, state_tol, seed, T=700, K=None, V=None,
+                       cu=None):
     """``fn(**inputs, **options)`` (CUDA, ``dtype``) against ``chunk_gdn_reference`` with the
-    same options in float64: output, final state and every gradient. K = V = 128 (float32:
-    64, the widest the QDQ kernels take a 64-column float32 tile)."""
-    size = 64 if dtype == torch.float32 else 128
-    x = delta_inputs(B=2, T=T, Hk=2, Hv=4, K=size, V=size, dtype=dtype, seed=seed)
+    same options in float64: output, final state and every gradient. K = V = 128 by default
+    (float32: 64, the widest the QDQ kernels take a 64-column float32 tile); ``cu``: packed
+    sequences (``cu_seqlens``, one row of ``cu[-1]`` tokens)."""
+    K = K or (64 if dtype == torch.float32 else 128)
+    x = delta_inputs(B=2 if cu is None else 1, T=T if cu is None else cu[-1], Hk=2, Hv=4, K=K,
+                     V=V or K, dtype=dtype, seed=seed, N=None if cu is None else len(cu) - 1)
     leaves = {n: t.cuda().requires_grad_() for n, t in x.items()}
+    if cu is not None:
+        options = dict(options, cu_seqlens=torch.tensor(cu, device="cuda", dtype=torch.int32))
     o, ht = fn(**leaves, **options)
     gen = torch.Generator().manual_seed(seed + 1)
     do, dht = (torch.randn(t.shape, generator=gen).cuda().to(t.dtype) for t in (o, ht))
@@ -114,6 +119,26 @@ def test_w_quantizer_kernels_match_reference(dtype, tol, state_tol, state_qdq, m
     _against_reference(kdn_compile.chunk_gdn, options, dtype, tol,
                        state_tol if state_qdq else tol, seed)
     assert sorted(calls) == ["gdn_wy_operands_fwd", "gdn_wy_recurrence_bwd"]
+
+
+# head sizes and launch configurations of the WY backward kernels: with one pipeline stage
+# Triton 3.6 gave wrong gradients (bf16, K = V = 64 and 256) or an illegal access (128) on
+# the H200; packed sequences whose lengths are not multiples of the chunk
+WY_SIZES = [
+    pytest.param(torch.bfloat16, 64, 64, None, id="bf16-K64"),
+    pytest.param(torch.bfloat16, 128, 128, [0, 5, 700, 701, 1400], id="bf16-K128-packed"),
+    pytest.param(torch.bfloat16, 256, 256, None, id="bf16-K256", marks=pytest.mark.slow),
+    pytest.param(torch.float16, 32, 16, [0, 100, 500], id="fp16-K32-V16-packed",
+                 marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("dtype,K,V,cu", WY_SIZES)
+def test_w_quantizer_kernels_at_every_head_size(dtype, K, V, cu, seed):
+    """The WY kernels forward and backward against the float64 reference (same callable)
+    at the head sizes the kernels take, fixed and packed."""
+    _against_reference(kdn_compile.chunk_gdn, {"w_quantizer": fp8_row_qdq}, dtype, BF16[1],
+                       BF16[1], seed, T=500, K=K, V=V, cu=cu)
 
 
 @pytest.mark.slow

@@ -1,10 +1,13 @@
 """FP8 (E4M3) quantization of recurrent states: fake quantization and the float8 pools.
 
-One dynamic scale per ``[K, block_v]`` tile of a key-first state ``[..., K, V]``:
-``scale = amax * (1 / 448)`` (1 for an all-zero tile), values ``state / scale`` rounded to
+One dynamic scale per ``[K, block_v]`` tile of a key-first state ``[..., K, V]``, by
+:func:`e4m3_scale`: ``amax * (1 / 448)``, or 1 where that is below ``2^-126`` (an all-zero,
+subnormal or tiny tile, which then stores zeros); values ``state / scale`` rounded to
 ``torch.float8_e4m3fn``. :func:`quantize_state_fp8` and :func:`dequantize_state_fp8`
 are the two halves (the float8 state pools of the serving path store their output);
 :func:`state_fp8_qdq_reference` is their composition with a straight-through gradient.
+:func:`kdn_compile.quantization.fp8_row_qdq` takes its per-row scales from
+:func:`e4m3_scale` too.
 """
 
 from __future__ import annotations
@@ -12,8 +15,34 @@ from __future__ import annotations
 import torch
 
 E4M3_MAX = 448.0
+# The smallest scale kept: the smallest normal float32. Below it a scale would lose bits or
+# underflow to 0 (and 0 / 0 = NaN); such a tile takes scale 1 instead.
+E4M3_MIN_SCALE = 2.0 ** -126
 
-__all__ = ["E4M3_MAX", "quantize_state_fp8", "dequantize_state_fp8", "state_fp8_qdq_reference"]
+__all__ = ["E4M3_MAX", "E4M3_MIN_SCALE", "e4m3_scale", "quantize_state_fp8",
+           "dequantize_state_fp8", "state_fp8_qdq_reference"]
+
+
+def e4m3_scale(amax: torch.Tensor) -> torch.Tensor:
+    """The E4M3 scale of tiles whose largest magnitudes are ``amax``: ``amax * (1 / 448)``
+    where that is at least ``2^-126`` (the smallest normal float32, i.e. ``amax >= ~5.3e-36``),
+    else 1.
+
+    The product is taken with the reciprocal of 448 in ``amax``'s dtype, as PyTorch's CUDA
+    division by a scalar computes it, so the scales are the same on every device and in the
+    kernels (``lowering/fp8.py``, ``e4m3_scale``, the same rule in Triton). A tile under the
+    threshold (all zero, subnormal or tiny; a NaN ``amax`` too) gets scale 1: its values
+    round to E4M3 zeros, so it dequantizes to zeros, off by at most its ``amax``, never NaN.
+
+    Args:
+        amax: non-negative floating tensor, any shape (float32 or float64: scales of a
+            narrower dtype would underflow).
+
+    Returns:
+        The scales, a tensor like ``amax``, each positive and finite for a finite ``amax``.
+    """
+    scale = amax * (1.0 / E4M3_MAX)
+    return torch.where(scale >= E4M3_MIN_SCALE, scale, torch.ones_like(scale))
 
 
 def _tiles(state: torch.Tensor, block_v: int) -> torch.Tensor:
@@ -30,16 +59,14 @@ def quantize_state_fp8(
     Returns:
         ``(values, scales)``: ``values`` ``torch.float8_e4m3fn`` of ``state``'s shape,
         ``scales [..., ceil(V / block_v)]`` in ``promote_types(state.dtype, float32)``
-        (``amax * (1 / 448)`` of the tile, 1 for an all-zero tile). The division and the
+        (:func:`e4m3_scale` of the tile's amax: ``amax * (1 / 448)``, or 1 where that is
+        below ``2^-126``, amax below ~5.3e-36: such a tile stores zeros). The division and the
         rounding (to nearest, ties to even) happen in that dtype; ``|state / scale| <= 448``.
     """
     with torch.no_grad():
         tiles = _tiles(state, block_v).to(torch.promote_types(state.dtype, torch.float32))
         # Scales in float32 at least: amax / 448 underflows in float16.
-        amax = tiles.abs().amax(dim=(-3, -1))
-        # times the float32 reciprocal, as PyTorch's CUDA division by a scalar computes it:
-        # the same scales on every device (and in the kernels)
-        scales = torch.where(amax > 0, amax * (1.0 / E4M3_MAX), torch.ones_like(amax))
+        scales = e4m3_scale(tiles.abs().amax(dim=(-3, -1)))
         values = (tiles / scales[..., None, :, None]).to(torch.float8_e4m3fn)
         return values.flatten(-2)[..., : state.shape[-1]].contiguous(), scales
 
@@ -48,7 +75,12 @@ def dequantize_state_fp8(
     values: torch.Tensor, scales: torch.Tensor, block_v: int = 64,
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """``values [..., K, V]`` (float8) times the scale of their ``[K, block_v]`` tile, in ``dtype``."""
+    """``values [..., K, V]`` (float8) times the scale of their ``[K, block_v]`` tile, in ``dtype``.
+
+    The inverse of :func:`quantize_state_fp8`: ``scales [..., ceil(V / block_v)]`` as it
+    returns them (any floating dtype, cast to ``dtype``); returns ``[..., K, V]`` in
+    ``dtype`` (a tile of scale 1 with zero values, a tiny one, comes back as zeros).
+    """
     tiles = _tiles(values.to(dtype), block_v)
     tiles = tiles * scales.to(dtype)[..., None, :, None]
     return tiles.flatten(-2)[..., : values.shape[-1]].contiguous()
@@ -59,9 +91,11 @@ def state_fp8_qdq_reference(state: torch.Tensor, block_v: int = 64) -> torch.Ten
 
     ``state`` is key-first, ``[..., K, V]``. The value axis is cut into tiles of
     ``block_v`` columns (the last one may be partial); each ``[K, block_v]`` tile
-    is divided by ``amax / 448`` (scale 1 for an all-zero tile), rounded to
-    ``torch.float8_e4m3fn`` and multiplied back. The gradient is the identity
-    (straight-through): neither the scales nor the rounding contribute.
+    is divided by its scale :func:`e4m3_scale` (``amax * (1 / 448)``), rounded to
+    ``torch.float8_e4m3fn`` and multiplied back. A tile whose ``amax * (1 / 448)`` is
+    below ``2^-126`` (amax below ~5.3e-36: all zero, subnormal or tiny) takes scale 1 and
+    comes back as zeros, off by at most its amax, never NaN. The gradient is
+    the identity (straight-through): neither the scales nor the rounding contribute.
 
     Args:
         state: floating tensor ``[..., K, V]``.
@@ -72,6 +106,10 @@ def state_fp8_qdq_reference(state: torch.Tensor, block_v: int = 64) -> torch.Ten
 
     Raises:
         ValueError: if ``state`` has fewer than 2 dims or ``block_v < 1``.
+
+    Source: the E4M3 format of the OCP 8-bit floating point specification, as
+    ``torch.float8_e4m3fn`` implements it; the tiling and the all-zero tile's scale 1 from
+    the reference API of the specification.
     """
     if state.dim() < 2:
         raise ValueError(
