@@ -438,19 +438,61 @@ def test_recorded_tables_parse_by_section_case_shape_and_column():
     assert recorded.recorded_ms(rows, "Quant", "fwd+bwd", "8x4096x16", "plain ms") == 4.5
 
 
-def test_the_benchmarks_page_has_every_row_quick_compares():
+def test_the_benchmarks_page_has_every_row_quick_compares_on_each_gpu_it_records():
     from kdn_compile.bench import quick, recorded
 
     page = recorded.read_page(recorded.default_page())
     assert page, recorded.default_page()
-    for case in quick.CASES:
-        cases = (("GDN f32 pool", "KDA f32 pool") if case.family == "decode"
-                 else ("fwd", "fwd+bwd"))
-        for name in cases:
-            for impl in (*case.judged, *case.judged.values()):
-                ms = recorded.recorded_ms(page, case.section, name, str(case.shape), f"{impl} ms")
-                assert ms is not None and ms > 0, (case.family, name, impl)
+    gpus = {recorded.TABLES_GPU} | {r["GPU"] for r in page
+                                    if r["section"] == recorded.GUARD_SECTION}
+    assert len(gpus) > 1  # the family tables' GPU and at least one other
+    for gpu in gpus:
+        for case in quick.CASES:
+            cases = (("GDN f32 pool", "KDA f32 pool") if case.family == "decode"
+                     else ("fwd", "fwd+bwd"))
+            for name in cases:
+                for impl in (*case.judged, *case.judged.values()):
+                    ms = recorded.recorded_for(page, gpu, case.section, case.family, name,
+                                               str(case.shape), impl)
+                    assert ms is not None and ms > 0, (gpu, case.family, name, impl)
     assert recorded.read_page(recorded.default_page() + ".missing") is None
+
+
+GUARD_PAGE = PAGE + f"""
+## {{section}}
+
+| GPU | case | B x T x H | impl | ms | commit | date |
+|---|---|---|---|---|---|---|
+| NVIDIA H100 80GB HBM3 | gdn fwd | 8x4096x16 | ours | 0.900 | `abc1234` | 2026-12-01 |
+| NVIDIA H100 80GB HBM3 | gdn fwd+bwd | 8x4096x16 | FLA | 4.400 | `abc1234` | 2026-12-01 |
+"""
+
+
+def test_recorded_times_are_only_ever_the_same_gpus():
+    from kdn_compile.bench import recorded
+
+    rows = recorded.parse_tables(GUARD_PAGE.format(section=recorded.GUARD_SECTION))
+    h100, h200 = "NVIDIA H100 80GB HBM3", recorded.TABLES_GPU
+    assert recorded.recorded_for(rows, h100, "GDN:", "gdn", "fwd", "8x4096x16", "ours") == 0.9
+    assert recorded.recorded_for(rows, h100, "GDN:", "gdn", "fwd+bwd", "8x4096x16",
+                                 "FLA") == 4.4
+    # the family tables are the H200's: never an H100's fallback
+    assert recorded.recorded_for(rows, h100, "GDN:", "gdn", "fwd+bwd", "8x4096x16",
+                                 "ours") is None
+    assert recorded.recorded_for(rows, h200, "GDN:", "gdn", "fwd", "8x4096x16", "ours") == 0.821
+    assert recorded.recorded_for(rows, "NVIDIA A100", "GDN:", "gdn", "fwd", "8x4096x16",
+                                 "ours") is None
+    assert recorded.has_rows_for(rows, h100) and recorded.has_rows_for(rows, h200)
+    assert not recorded.has_rows_for(rows, "NVIDIA A100")
+    row = {**META, "gpu": h100, "family": "gdn", "case": "fwd", "batch": 8, "length": 4096,
+           "heads": 16, "impl": "ours", "ms": 0.9}
+    line = recorded.guard_row(row)
+    assert line == ("| NVIDIA H100 80GB HBM3 | gdn fwd | 8x4096x16 | ours | 0.900 | `abc1234` "
+                    "| 2026-12-01 |")
+    # a recorded line reads back as the same time
+    back = recorded.parse_tables(f"## {recorded.GUARD_SECTION}\n\n| "
+                                 + " | ".join(recorded.GUARD_HEADER) + " |\n|---|\n" + line)
+    assert recorded.guard_ms(back, h100, "gdn fwd", "8x4096x16", "ours") == 0.9
 
 
 def test_verdict_is_slower_only_more_than_five_percent_above_the_recorded_time():
@@ -482,13 +524,15 @@ def test_quick_takes_no_family_options(capsys, tmp_path):
     assert cli.reproducing_command(args) == "kdn-compile bench --quick --against fla"
 
 
-def _fake_quick(monkeypatch, capsys, slower: str | None = None, fla: bool = True):
-    """Runs quick.measure's rows at the recorded times (``slower``: that family's ours
-    fwd+bwd 10% above), checking that each row was printed before the next is measured."""
+def _fake_quick(monkeypatch, capsys, slower: str | None = None, fla: bool = True,
+                gpu: str = META["gpu"]):
+    """Runs quick.measure's rows at the times recorded on ``gpu`` (``slower``: that family's
+    ours fwd+bwd 10% above), checking that each row was printed before the next is
+    measured."""
     from kdn_compile.bench import quick, recorded
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(timing, "run_metadata", lambda: META)
+    monkeypatch.setattr(timing, "run_metadata", lambda: {**META, "gpu": gpu})
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: object() if fla else None)
     page = recorded.read_page(recorded.default_page())
     lines = []
@@ -499,7 +543,8 @@ def _fake_quick(monkeypatch, capsys, slower: str | None = None, fla: bool = True
                                  else ())]
         for impl in impls:
             for name in names:
-                ms = recorded.recorded_ms(page, case.section, name, str(case.shape), f"{impl} ms")
+                ms = recorded.recorded_for(page, gpu, case.section, case.family, name,
+                                           str(case.shape), impl) or 1.0
                 if case.family == slower and impl in case.judged and name == "fwd+bwd":
                     ms *= 1.10
                 on_row({"case": name, "impl": impl, "ms": ms})
@@ -553,6 +598,32 @@ def test_quick_without_a_recorded_page_says_so_and_passes(monkeypatch, capsys, t
     assert f"quick: {missing} does not exist (--recorded PATH): no recorded rows" in out
     assert "gdn fwd+bwd 8x4096x16 ours: " in out and ", no recorded row\n" in out
     assert "quick: 0 of 8 cases ok, 8 with no recorded row" in out
+
+
+def test_quick_compares_another_gpu_with_its_own_rows(monkeypatch, capsys, tmp_path):
+    from kdn_compile.bench import quick
+
+    lines = _fake_quick(monkeypatch, capsys, slower="gdn", gpu="NVIDIA H100 80GB HBM3")
+    assert main(["bench", "--quick", "--out", str(tmp_path)]) == quick.SLOWER_EXIT
+    out = "".join(lines) + capsys.readouterr().out
+    assert "records on NVIDIA H100 80GB HBM3" in out
+    assert "quick: SLOWER than recorded: gdn fwd+bwd 8x4096x16 ours (+10.0%)" in out
+    assert "no recorded row" not in out
+
+
+def test_quick_on_a_gpu_without_rows_gives_no_verdicts_and_the_lines_to_record(
+        monkeypatch, capsys, tmp_path):
+    from kdn_compile.bench import recorded
+
+    lines = _fake_quick(monkeypatch, capsys, slower="gdn", gpu="NVIDIA A100-SXM4-80GB")
+    assert main(["bench", "--quick", "--out", str(tmp_path)]) == 0
+    out = "".join(lines) + capsys.readouterr().out
+    assert "records no rows on NVIDIA A100-SXM4-80GB: no verdicts" in out
+    assert "quick: 0 of 8 cases ok, 8 with no recorded row" in out
+    text = (tmp_path / "results.md").read_text()
+    assert f"### Lines for `{recorded.GUARD_SECTION}`" in text
+    assert "| NVIDIA A100-SXM4-80GB | gdn fwd+bwd | 8x4096x16 | ours | 1.100 | `abc1234` | " \
+           "2026-12-01 |" in text
 
 
 def test_quick_calls_each_family_as_it_is_defined(monkeypatch):

@@ -70,14 +70,15 @@ def measure(case: Case, against_fla: bool, on_row: Callable[[dict], object]) -> 
     return family.measure(case.shape, against_fla, on_row=on_row)
 
 
-def annotate(case: Case, row: dict, page: list[dict]) -> dict:
+def annotate(case: Case, row: dict, page: list[dict], gpu: str) -> dict:
     """Adds to ``row`` (a measured row of ``case``) its family and shape, the time recorded
-    for it on ``page`` (``recorded_ms``, None without a row) and, for a judged
-    implementation, its ``verdict``; returns it."""
+    for it on ``page`` on this ``gpu`` (``recorded_ms``, None without a row:
+    :func:`~.recorded.recorded_for`) and, for a judged implementation, its ``verdict``;
+    returns it."""
     row.update(family=case.family, batch=case.shape.batch, length=case.shape.length,
                heads=case.shape.heads)
-    row["recorded_ms"] = recorded.recorded_ms(page, case.section, row["case"], str(case.shape),
-                                              f"{row['impl']} ms")
+    row["recorded_ms"] = recorded.recorded_for(page, gpu, case.section, case.family, row["case"],
+                                               str(case.shape), row["impl"])
     if row["impl"] in case.judged:
         row["verdict"] = recorded.verdict(row["ms"], row["recorded_ms"])
     return row
@@ -136,6 +137,16 @@ def verdict_table(found: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def guard_lines(sections: list[tuple[str, list[dict]]], meta: dict) -> str:
+    """This run's rows as lines of the page's :data:`~.recorded.GUARD_SECTION` table, under
+    its heading, for recording them on this GPU."""
+    lines = [f"### Lines for `{recorded.GUARD_SECTION}`", "",
+             "| " + " | ".join(recorded.GUARD_HEADER) + " |",
+             "|" + "---|" * len(recorded.GUARD_HEADER)]
+    lines += [recorded.guard_row({**meta, **row}) for _, rows in sections for row in rows]
+    return "\n".join(lines)
+
+
 def summary(found: list[dict]) -> str:
     """One line: every case ok, or the SLOWER ones with their change."""
     slower = [v for v in found if v["verdict"] == recorded.SLOWER]
@@ -161,13 +172,15 @@ def run(args, command: str) -> int:
     against = args.against == "fla" or importlib.util.find_spec("fla") is not None
     if not against:
         print("quick: FLA is not installed (import fla fails): ours only", flush=True)
-    if "H200" not in meta["gpu"]:
-        print(f"quick: the recorded rows are an NVIDIA H200's; on {meta['gpu']} the verdicts "
-              "compare different machines", flush=True)
     path = args.recorded or recorded.default_page()
     page = recorded.read_page(path)
-    print(f"quick: comparing with {path}" if page is not None else
-          f"quick: {path} does not exist (--recorded PATH): no recorded rows", flush=True)
+    if page is None:
+        print(f"quick: {path} does not exist (--recorded PATH): no recorded rows", flush=True)
+    elif recorded.has_rows_for(page, meta["gpu"]):
+        print(f"quick: comparing with the rows {path} records on {meta['gpu']}", flush=True)
+    else:
+        print(f"quick: {path} records no rows on {meta['gpu']}: no verdicts (the lines of "
+              f"`{recorded.GUARD_SECTION}` in results.md record this run's)", flush=True)
     versions = {key: meta[key] for key in ("gpu", "fla", "triton")}
     choices = Path(args.out) / "fla_choices.json"
     if against:
@@ -178,7 +191,7 @@ def run(args, command: str) -> int:
         rows = []
 
         def show(row, case=case, rows=rows):
-            rows.append(annotate(case, row, page or []))
+            rows.append(annotate(case, row, page or [], meta["gpu"]))
             print(row_line(case, row), flush=True)
         measure(case, against, show)
         found += verdicts(case, rows)
@@ -187,7 +200,8 @@ def run(args, command: str) -> int:
               "run", flush=True)
         # written after every family: a run stopped later keeps what it finished
         paths = report.write(args.out, sections, meta, command,
-                             extra=f"### Against {path}\n\n{verdict_table(found)}")
+                             extra=f"### Against {path}\n\n{verdict_table(found)}\n\n"
+                             + guard_lines(sections, meta))
         if against:
             fla_choices.write(choices, versions)
             paths.append(str(choices))

@@ -4,6 +4,10 @@ The page's tables are markdown: a header line, a ``|---|`` line, then one line p
 :func:`parse_tables` turns each row into a dict keyed by its table's header cells plus
 ``"section"``, the ``## `` heading the table stands under; :func:`recorded_ms` looks a
 time up by section, case, shape and column.
+
+The family tables are one GPU's (:data:`TABLES_GPU`). For every other GPU the page keeps
+``--quick``'s own rows in one table with a ``GPU`` column (:data:`GUARD_SECTION`), looked
+up by :func:`guard_ms`; :func:`recorded_for` chooses between the two by the GPU of the run.
 """
 
 from __future__ import annotations
@@ -15,6 +19,11 @@ TOLERANCE = 0.05  # a time more than 5% above its recorded row is SLOWER
 SLOWER = "SLOWER"
 OK = "ok"
 MISSING = "no recorded row"
+TABLES_GPU = "NVIDIA H200"
+"""the GPU of the page's family tables (``torch.cuda.get_device_name()``)"""
+GUARD_SECTION = "Speed guard rows on other GPUs"
+"""the ``## `` heading of the table of ``--quick`` rows by GPU"""
+GUARD_HEADER = ("GPU", "case", "B x T x H", "impl", "ms", "commit", "date")
 
 
 def default_page() -> str:
@@ -68,6 +77,49 @@ def recorded_ms(rows: Sequence[dict[str, str]], section: str, case: str, shape: 
             except ValueError:
                 return None
     return None
+
+
+def guard_ms(rows: Sequence[dict[str, str]], gpu: str, case: str, shape: str,
+             impl: str) -> float | None:
+    """The milliseconds of ``impl`` (``"ours"``, ``"FLA graph"``, ...) for ``case`` (the
+    family and its case, ``"gdn fwd+bwd"``) at ``shape`` recorded on ``gpu`` in the
+    :data:`GUARD_SECTION` table, or None without such a row."""
+    for row in rows:
+        if (row["section"] == GUARD_SECTION and row.get("GPU") == gpu and row.get("case") == case
+                and row.get("B x T x H") == shape and row.get("impl") == impl):
+            try:
+                return float(row.get("ms", ""))
+            except ValueError:
+                return None
+    return None
+
+
+def has_rows_for(rows: Sequence[dict[str, str]], gpu: str) -> bool:
+    """Whether the page records ``--quick``'s times for ``gpu``: its family tables are
+    ``gpu``'s, or the :data:`GUARD_SECTION` table has a row of ``gpu``."""
+    return gpu == TABLES_GPU or any(
+        row["section"] == GUARD_SECTION and row.get("GPU") == gpu for row in rows)
+
+
+def recorded_for(rows: Sequence[dict[str, str]], gpu: str, section: str, family: str,
+                 case: str, shape: str, impl: str) -> float | None:
+    """The time recorded on ``gpu`` for ``impl`` in ``case`` of ``family`` at ``shape``: a
+    :data:`GUARD_SECTION` row of ``gpu`` first; else, on :data:`TABLES_GPU`, the family
+    table under ``section`` (:func:`recorded_ms`, column ``"<impl> ms"``); else None. Times
+    of one GPU are never compared with another's."""
+    ms = guard_ms(rows, gpu, f"{family} {case}", shape, impl)
+    if ms is None and gpu == TABLES_GPU:
+        ms = recorded_ms(rows, section, case, shape, f"{impl} ms")
+    return ms
+
+
+def guard_row(row: dict) -> str:
+    """One line of the :data:`GUARD_SECTION` table for a measured ``--quick`` row (with
+    its run's metadata): ``| GPU | family case | BxTxH | impl | ms | commit | date |``."""
+    cells = [row["gpu"], f"{row['family']} {row['case']}",
+             f"{row['batch']}x{row['length']}x{row['heads']}", row["impl"], f"{row['ms']:.3f}",
+             f"`{row['commit']}`", row["time"][:10]]
+    return "| " + " | ".join(cells) + " |"
 
 
 def change(ms: float, recorded: float | None) -> float | None:
