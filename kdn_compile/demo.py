@@ -241,6 +241,7 @@ def generation_speed(model, tokens: int, device, compile_backend: str | None) ->
         mode = "reduce-overhead" if device.type == "cuda" else None
         step = torch.compile(model.step, fullgraph=True, dynamic=False, mode=mode,
                              backend=compile_backend)
+        print("compiling the decode step for generation ...", flush=True)
         decode_tokens(step, 3)  # compile, then (CUDA) warm up and record the graph
         compiled_ids, report["gen_compiled_tok_s"] = decode_tokens(step, tokens)
         report["gen_same_tokens"] = torch.equal(ids, compiled_ids)
@@ -329,7 +330,8 @@ def _run(args: argparse.Namespace, device: torch.device) -> dict:
         f"{sum(p.numel() for p in model.parameters()):,} parameters; {len(data):,} chars of "
         f"stdlib source; {args.steps} steps of {args.batch} x {args.length} on {device}; "
         f"{mode}; kdn backend {kdn_compile.get_backend()!r}"
-        + ("; quantization-aware: FP8 state QDQ and fp8_row_qdq on W" if args.state_qdq else "")
+        + ("; quantization-aware: FP8 state QDQ and fp8_row_qdq on W" if args.state_qdq else ""),
+        flush=True,
     )
     report = {}
     with torch.no_grad():
@@ -340,10 +342,14 @@ def _run(args: argparse.Namespace, device: torch.device) -> dict:
     loss_fn = (
         torch.compile(_loss, fullgraph=True, backend=args.compile_backend) if compiled else _loss
     )
+    if compiled:
+        print("compiling the model (first step, about 30-45 s on a 2-core CPU) ...", flush=True)
     first_step = train(model, loss_fn, train_ids, args, generator, device)
     with torch.no_grad():
         report["loss_after"] = _loss(model, eval_ids, eval_targets).item()
     if compiled:
+        print("timing eager and compiled steps, checking prefill + decode and torch.export ...",
+              flush=True)
         eager, fast = _step_times((_loss, loss_fn), model, eval_ids, eval_targets, device)
         report.update(eager_step_s=eager, compiled_step_s=fast, compile_s=first_step - fast)
         report["graph_breaks"] = _dynamo_counts()[0] - breaks

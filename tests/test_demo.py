@@ -34,6 +34,9 @@ def test_demo_end_to_end():
     assert "graph breaks: 0 " in out and "recompiles: 0" in out, out
     # stdout is a pipe here: plain progress lines, no carriage-return redraws
     assert "train step 3/3: loss " in out and "\r" not in out, out
+    # the first compile, the longest wait, is announced before it starts
+    assert 0 <= out.find("compiling the model (first step") < out.find("train step "), out
+    assert 0 <= out.find("compiling the decode step") < out.find("generation with step"), out
     losses = re.search(r"held-out batch: ([\d.]+) before, ([\d.]+) after", out)
     assert losses and float(losses[2]) < float(losses[1]), out
     assert re.search(r"prefill 24 \+ decode 8 tokens vs one pass: .*\(ok\)", out), out
@@ -50,7 +53,7 @@ def test_demo_other_layers_eager_in_process(capsys):
               "--dim", "16", "--no-compile", "--device", "cpu"])
         out = capsys.readouterr().out
         assert "MISMATCH" not in out and out.count("(ok)") == 2, out
-        assert f"ops: {op}" in out, out
+        assert f"ops: {op}" in out and "compiling" not in out, out
 
 
 def test_demo_quantization_aware_training_in_process(capsys):

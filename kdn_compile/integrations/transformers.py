@@ -13,7 +13,8 @@ under ``torch.compile(fullgraph=True)`` and under ``torch.export``. The rest of 
 layer (projections, gates, convolution, gated norm, transformers' cache updates) is
 transformers' own code, unchanged.
 
-Tested with transformers 5.17.0 (the version the ``test`` extra pins).
+Tested with transformers 5.23.0 (the version the ``test`` extra pins; the CPU suite) and
+5.17.0 (the GPU tiers).
 """
 
 from __future__ import annotations
@@ -143,7 +144,8 @@ def _with_globals(function, replacements: dict, where: str):
         cells = function.__closure__ or ()
         if not any(cell.cell_contents is inner for cell in cells):
             raise RuntimeError(f"use_kdn cannot route {where}: a decorator of its forward does not "
-                               "hold the function it wraps; transformers 5.17.0 is tested")
+                               "hold the function it wraps; transformers 5.17.0 and 5.23.0 are "
+                               "tested")
         closure = tuple(types.CellType(new_inner) if cell.cell_contents is inner else cell
                         for cell in cells)
         new = types.FunctionType(function.__code__, function.__globals__, function.__name__,
@@ -152,7 +154,7 @@ def _with_globals(function, replacements: dict, where: str):
         missing = sorted(set(replacements) - set(function.__code__.co_names))
         if missing:
             raise RuntimeError(f"use_kdn cannot route {where}: its forward no longer calls {missing}; "
-                               "transformers 5.17.0 is tested")
+                               "transformers 5.17.0 and 5.23.0 are tested")
         # Without "__name__", torch.compile guards these globals in this dictionary, not
         # on the module, where the names still hold transformers' own functions.
         namespace = {k: v for k, v in function.__globals__.items() if k != "__name__"}
@@ -193,7 +195,7 @@ def use_kdn(model: torch.nn.Module) -> torch.nn.Module:
     ``torch.save`` loads with transformers' own ``forward``: call it again after
     ``torch.load``. Importing :mod:`kdn_compile` does not import transformers.
 
-    Tested with transformers 5.17.0.
+    Tested with transformers 5.17.0 and 5.23.0.
 
     Args:
         model (torch.nn.Module): a transformers model (or any module) holding layers of
