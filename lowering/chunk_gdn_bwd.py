@@ -4,19 +4,28 @@ Notation of :mod:`.chunk_gdn_fwd`; per chunk with start state ``S``, end-state
 gradient ``dS'``, ``x = beta (v - (e^G k) S)``, ``delta = Ai x``,
 ``M = (q k^T) * exp(G_i - G_j)`` (``j <= i``):
 
-1. the forward recurrence again, keeping each chunk's start state ``S`` (with FP8 state
-   QDQ, the float8 states the forward saved instead: the gradient passes every QDQ
-   unchanged, so only ``S`` differs);
+1. the forward recurrence again, keeping each chunk's start state ``S`` and ``delta``
+   (with FP8 state QDQ, the float8 states the forward saved instead: the gradient passes
+   every QDQ unchanged, so only ``S`` differs; ``_chunk_gdn_bwd_delta_kernel``, one
+   program per chunk, value head and value tile, then computes ``delta`` from them);
 2. ``_chunk_gdn_bwd_state_kernel``, chunks in reverse with ``dS`` in registers:
-   ``ddelta = scale M^T do + (e^{G_last - G} k) dS'``, ``dx = Ai^T ddelta``,
+   ``ddelta = scale M^T do + (e^{G_last - G} k) dS'``, ``dx = Ai^T ddelta`` (kept),
    ``dv = beta dx`` (final) and
    ``dS = e^{G_last} dS' + scale (e^G q)^T do - (e^G k)^T dv``; it keeps each
    chunk's ``dS'`` and writes ``dh0``. It needs no ``S``. (With ``WY``, for the
    ``w_quantizer`` path: ``dU = ddelta`` and ``dS`` takes ``-W^T ddelta``.)
-3. ``_chunk_gdn_bwd_grad_kernel``, one program per chunk and value head, from
-   ``S`` and ``dS'``: ``dq``, ``dk``, ``dbeta`` and ``dg`` (the gate gradient
-   with respect to ``G``, then a reverse cumulative sum in the chunk). The
-   solve enters through ``dA = -(dx delta^T)`` below the diagonal.
+3. ``_chunk_gdn_bwd_grad_kernel``, one program per key tile of ``BK`` columns, chunk and
+   value head (key tiles of one chunk adjacent, so the second reads the chunk's
+   ``[BT, V]`` operands from L2), from ``S``, ``dS'``, ``do``, ``delta`` and ``dx``. Over
+   the value tiles it sums ``do S^T``, ``delta dS'^T``, ``dx S^T`` (``[BT, BK]``) and
+   ``do delta^T``, ``dx delta^T`` (``[BT, BT]``), then writes its columns of
+   ``dq = scale (e^G do S^T + (dM * D) k)`` and
+   ``dk = e^{G_last - G} delta dS'^T - beta e^G dx S^T + (dM * D)^T q + P k + P^T k``
+   (``dM = scale do delta^T``, ``D = exp(G_i - G_j)``; the solve enters through
+   ``dA = -(dx delta^T)`` below the diagonal, ``P = beta dA * D``). Each gate-gradient
+   and ``dbeta`` term is a sum over keys or needs no key (``dM * M``, ``dx . v``: key
+   tile 0 adds those), so each key tile writes its part of both (the gate gradient
+   with respect to ``G``, then a reverse cumulative sum in the chunk), summed afterwards.
 
 Grouped value heads write per-value-head ``dq``/``dk`` in float32, summed over
 each group afterwards. ``G`` is the forward's float64 cumulative gate (floored gates:
@@ -40,8 +49,8 @@ from .chunk_gdn_fwd import (
 from .fp8 import dequantize_tile
 
 __all__ = [
-    "chunk_gdn_bwd", "floored_gate_grad", "gdn_state_grads", "grad_config", "key_grads",
-    "sum_groups",
+    "chunk_gdn_bwd", "chunk_warps", "floored_gate_grad", "gdn_state_grads", "grad_config",
+    "key_grads", "sum_groups",
 ]
 
 
@@ -54,7 +63,7 @@ def _decay(b_gc, m):
 
 @triton.jit
 def _chunk_gdn_bwd_state_kernel(
-    q, k, gc, beta, ai, aqk, w, do, dv, dht, dh0, dhs, cu_seqlens, offsets, scale, T,
+    q, k, gc, beta, ai, aqk, w, do, dv, dx, dht, dh0, dhs, cu_seqlens, offsets, scale, T,
     H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BV: tl.constexpr, HAS_DHT: tl.constexpr, HAS_H0: tl.constexpr,
     STATE_V_FIRST: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
@@ -85,6 +94,7 @@ def _chunk_gdn_bwd_state_kernel(
     else:
         beta += bos * H + i_h
         ai += (bos * H + i_h) * BT
+        dx += (bos * H + i_h) * V
     aqk += (bos * H + i_h) * BT
     o_t = tl.arange(0, BT)
     o_k = tl.arange(0, K)
@@ -120,6 +130,8 @@ def _chunk_gdn_bwd_state_kernel(
             b_dv = (b_beta[:, None] * b_dx).to(dt)
             tl.store(dv + rows[:, None] * (H * V) + o_v[None, :], b_dv.to(dv.dtype.element_ty),
                      mask=m_r)
+            tl.store(dx + rows[:, None] * (H * V) + o_v[None, :], b_dx.to(dx.dtype.element_ty),
+                     mask=m_r)
             b_wd = tl.dot(tl.trans(b_k), (b_eg * b_dv).to(dt), input_precision=DOT_PREC)
         # dS = e^{G_last} dS' + scale q^T (e^G do) - W^T ddelta
         b_q = tl.load(q + rows[:, None] * (HK * K) + o_k[None, :], mask=m_r, other=0.0)
@@ -141,38 +153,15 @@ def _start_state(p_s, p_sc, o_s, i_v, BV: tl.constexpr, QBV: tl.constexpr):
 
 
 @triton.jit
-def _delta_tile(b_k, b_ai, b_eg, b_el, b_beta, p_s, p_sc, p_ds, v, do, dv, rows, m_r, i_v,
-                H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
-                QBV: tl.constexpr, DOT_PREC: tl.constexpr):
-    """Value tile ``i_v``: ``S``, ``dS'``, ``e^G k S``, ``r = v - e^G k S``, ``delta``,
-    ``k~ dS'``, ``do`` and ``dv`` (``v``, ``do``, ``dv`` already offset to the head)."""
-    dt = b_k.dtype
-    o_tv = rows[:, None] * (H * V) + i_v * BV + tl.arange(0, BV)[None, :]
-    o_s = tl.arange(0, K)[:, None] * V + i_v * BV + tl.arange(0, BV)[None, :]
-    b_s = _start_state(p_s, p_sc, o_s, i_v, BV, QBV).to(dt)
-    b_ds = tl.load(p_ds + o_s)
-    b_v = tl.load(v + o_tv, mask=m_r, other=0.0).to(tl.float32)
-    b_ks = b_eg[:, None] * tl.dot(b_k, b_s, input_precision=DOT_PREC)
-    b_r = b_v - b_ks
-    b_d = tl.dot(b_ai, (b_beta[:, None] * b_r).to(dt), input_precision=DOT_PREC).to(dt)
-    b_kds = b_el[:, None] * tl.dot(b_k, b_ds, input_precision=DOT_PREC)
-    b_do = tl.load(do + o_tv, mask=m_r, other=0.0).to(dt)
-    b_dv = tl.load(dv + o_tv, mask=m_r, other=0.0).to(tl.float32)
-    return b_s, b_ds, b_ks, b_r, b_d, b_kds, b_do, b_dv
-
-
-@triton.jit
-def _chunk_gdn_bwd_grad_kernel(
-    q, k, v, gc, beta, ai, aqk, hs, hs_scales, dhs, do, dv, dq, dk, dg0, dg1, dbeta, spans,
-    scale, T,
+def _chunk_gdn_bwd_delta_kernel(
+    k, v, gc, beta, ai, hs, hs_scales, delta, spans, T,
     H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
     QBV: tl.constexpr,
 ):
-    """Program ``(chunk, head, role)``: role 0 writes ``dq`` and part of the gate gradient
-    (``dg0``), role 1 ``dk``, ``dbeta`` and the rest (``dg1``); both redo ``delta``."""
-    scale = tl.cast(scale, tl.float32)  # Inductor passes Python floats as fp64
-    i_c, i_h, i_r = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    """Program ``(chunk, head, value tile)``: ``delta = Ai (beta (v - (e^G k) S))`` from the
+    saved start state ``S``, as the forward recurrence computed it."""
+    i_c, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if IS_VARLEN:  # index loads in the kernel body: see _launch.py
         t0 = tl.load(spans + 2 * i_c).to(tl.int64)
         eos = tl.load(spans + 2 * i_c + 1).to(tl.int64)
@@ -183,101 +172,145 @@ def _chunk_gdn_bwd_grad_kernel(
     i_hk = i_h // (H // HK)
     dt = k.dtype.element_ty
     o_t = tl.arange(0, BT)
-    o_k = tl.arange(0, K)
+    rows = t0 + o_t
+    m_r = (rows < eos)[:, None]
+    b_k = tl.load(k + (rows[:, None] * HK + i_hk) * K + tl.arange(0, K)[None, :], mask=m_r,
+                  other=0.0)
+    b_ai = tl.load(ai + (rows[:, None] * H + i_h) * BT + o_t[None, :], mask=m_r, other=0.0)
+    b_gc = tl.load(gc + rows * H + i_h, mask=rows < eos, other=0.0)
+    b_beta = tl.load(beta + rows * H + i_h, mask=rows < eos, other=0.0).to(tl.float32)
+    p_sc = hs_scales
+    if QBV:
+        p_sc = hs_scales + (i_c.to(tl.int64) * H + i_h) * (V // QBV)
+    o_s = tl.arange(0, K)[:, None] * V + i_v * BV + tl.arange(0, BV)[None, :]
+    b_s = _start_state(hs + (i_c.to(tl.int64) * H + i_h) * K * V, p_sc, o_s, i_v, BV, QBV)
+    o_tv = (rows[:, None] * H + i_h) * V + i_v * BV + tl.arange(0, BV)[None, :]
+    b_v = tl.load(v + o_tv, mask=m_r, other=0.0).to(tl.float32)
+    b_ks = tl.dot(b_k, b_s.to(dt), input_precision=DOT_PREC)
+    b_x = b_beta[:, None] * (b_v - tl.exp(b_gc.to(tl.float32))[:, None] * b_ks)
+    b_d = tl.dot(b_ai, b_x.to(dt), input_precision=DOT_PREC)
+    tl.store(delta + o_tv, b_d.to(delta.dtype.element_ty), mask=m_r)
+
+
+@triton.jit
+def _chunk_gdn_bwd_grad_kernel(
+    q, k, v, gc, beta, aqk, hs, hs_scales, dhs, do, delta, dx, dq, dk, dg, dbeta, spans,
+    scale, T,
+    H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr,
+    DOT_PREC: tl.constexpr, QBV: tl.constexpr,
+):
+    """Program ``(key tile, chunk, head)``: the ``BK`` key columns of ``dq`` and ``dk``, and
+    this key tile's part of ``dg`` and ``dbeta`` (entry ``i_k`` of their last axis), from
+    ``S``, ``dS'``, ``do``, ``delta`` and ``dx``. Key tile 0 adds the key-free terms."""
+    scale = tl.cast(scale, tl.float32)  # Inductor passes Python floats as fp64
+    i_k, i_c, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    if IS_VARLEN:  # index loads in the kernel body: see _launch.py
+        t0 = tl.load(spans + 2 * i_c).to(tl.int64)
+        eos = tl.load(spans + 2 * i_c + 1).to(tl.int64)
+    else:
+        t0, eos = fixed_chunk(i_c, T, BT)
+    if t0 >= eos:
+        return
+    i_hk = i_h // (H // HK)
+    dt = k.dtype.element_ty
+    o_t = tl.arange(0, BT)
+    o_k = i_k * BK + tl.arange(0, BK)
     rows = t0 + o_t
     m_r = (rows < eos)[:, None]
     last = tl.minimum(t0 + BT, eos) - 1
+    m_first = (rows < tl.where(i_k == 0, eos, t0))[:, None]  # rows, in key tile 0 only
 
-    b_k = tl.load(k + (rows[:, None] * HK + i_hk) * K + o_k[None, :], mask=m_r, other=0.0)
-    b_m = tl.load(aqk + (rows[:, None] * H + i_h) * BT + o_t[None, :], mask=m_r, other=0.0)
-    b_ai = tl.load(ai + (rows[:, None] * H + i_h) * BT + o_t[None, :], mask=m_r, other=0.0)
     b_gc = tl.load(gc + tl.minimum(rows, last) * H + i_h)  # float64
     b_gl = tl.load(gc + last * H + i_h)
     b_beta = tl.load(beta + rows * H + i_h, mask=rows < eos, other=0.0).to(tl.float32)
     b_eg = tl.exp(b_gc.to(tl.float32))
     b_el = tl.exp((b_gl - b_gc).to(tl.float32))
-    b_egl = tl.exp(b_gl.to(tl.float32))
+    o_s = o_k[:, None] * V + tl.arange(0, BV)[None, :]
     p_s = hs + (i_c.to(tl.int64) * H + i_h) * K * V
     p_ds = dhs + (i_c.to(tl.int64) * H + i_h) * K * V
     p_sc = hs_scales  # float8 start states: their scales
     if QBV:
         p_sc = hs_scales + (i_c.to(tl.int64) * H + i_h) * (V // QBV)
-    v += i_h * V
-    do += i_h * V
-    dv += i_h * V
-    o_tk = (rows[:, None] * H + i_h) * K + o_k[None, :]
+    o_tv = (rows[:, None] * H + i_h) * V + tl.arange(0, BV)[None, :]
+    acc_dq = tl.zeros([BT, BK], dtype=tl.float32)  # do S^T
+    acc_q = tl.zeros([BT, BK], dtype=tl.float32)  # delta dS'^T
+    acc_p = tl.zeros([BT, BK], dtype=tl.float32)  # dx S^T
     acc_dm = tl.zeros([BT, BT], dtype=tl.float32)  # do delta^T
-    if i_r == 0:
-        acc_dq = tl.zeros([BT, K], dtype=tl.float32)  # do S^T
-        acc_dg = tl.zeros([BT], dtype=tl.float32)  # per-row terms of dG
-        acc_dl = tl.zeros([BT], dtype=tl.float32)  # dG_last, broadcast
-        for i_v in range(0, V // BV):
-            b_s, b_ds, b_ks, b_r, b_d, b_kds, b_do, b_dv = _delta_tile(
-                b_k, b_ai, b_eg, b_el, b_beta, p_s, p_sc, p_ds, v, do, dv, rows, m_r, i_v,
-                H, K, V, BV, QBV, DOT_PREC)
-            acc_dq = tl.dot(b_do, tl.trans(b_s), acc_dq, input_precision=DOT_PREC)
-            acc_dm = tl.dot(b_do, tl.trans(b_d), acc_dm, input_precision=DOT_PREC)
-            b_dkds = b_d.to(tl.float32) * b_kds
-            acc_dg -= tl.sum(b_dv * b_ks, 1) + tl.sum(b_dkds, 1)
-            acc_dl += tl.sum(b_dkds) + b_egl * tl.sum(b_ds.to(tl.float32) * b_s.to(tl.float32))
-        b_q = tl.load(q + (rows[:, None] * HK + i_hk) * K + o_k[None, :], mask=m_r, other=0.0)
-        # through M: dM = scale do delta^T (j <= i)
-        b_dmm = scale * acc_dm * b_m.to(tl.float32)  # dM * M
-        b_dgc = tl.sum(b_dmm, 1) - tl.sum(b_dmm, 0) + acc_dg
-        b_dgc += scale * b_eg * tl.sum(b_q.to(tl.float32) * acc_dq, 1)
-        b_dmd = (scale * acc_dm * _decay(b_gc, o_t[:, None] >= o_t[None, :])).to(dt)
-        acc_dq = tl.dot(b_dmd, b_k, scale * b_eg[:, None] * acc_dq, input_precision=DOT_PREC)
-        tl.store(dq + o_tk, acc_dq.to(dq.dtype.element_ty), mask=m_r)
-        b_dg = tl.cumsum(b_dgc, 0, reverse=True) + acc_dl
-        tl.store(dg0 + rows * H + i_h, b_dg, mask=rows < eos)
-    else:
-        acc_dk = tl.zeros([BT, K], dtype=tl.float32)  # through S' and through x
-        acc_da = tl.zeros([BT, BT], dtype=tl.float32)  # dx delta^T
-        acc_db = tl.zeros([BT], dtype=tl.float32)
-        for i_v in range(0, V // BV):
-            b_s, b_ds, b_ks, b_r, b_d, b_kds, b_do, b_dv = _delta_tile(
-                b_k, b_ai, b_eg, b_el, b_beta, p_s, p_sc, p_ds, v, do, dv, rows, m_r, i_v,
-                H, K, V, BV, QBV, DOT_PREC)
-            b_dd = scale * tl.dot(tl.trans(b_m), b_do, input_precision=DOT_PREC) + b_kds
-            b_dx = tl.dot(tl.trans(b_ai), b_dd.to(dt), input_precision=DOT_PREC)
-            acc_dm = tl.dot(b_do, tl.trans(b_d), acc_dm, input_precision=DOT_PREC)
-            acc_dk = tl.dot((b_el[:, None] * b_d).to(dt), tl.trans(b_ds), acc_dk,
-                            input_precision=DOT_PREC)
-            acc_dk = tl.dot((-b_eg[:, None] * b_dv).to(dt), tl.trans(b_s), acc_dk,
-                            input_precision=DOT_PREC)
-            acc_da = tl.dot(b_dx.to(dt), tl.trans(b_d), acc_da, input_precision=DOT_PREC)
-            acc_db += tl.sum(b_dx * b_r, 1)
-        b_q = tl.load(q + (rows[:, None] * HK + i_hk) * K + o_k[None, :], mask=m_r, other=0.0)
-        b_dmd = (scale * acc_dm * _decay(b_gc, o_t[:, None] >= o_t[None, :])).to(dt)
-        acc_dk = tl.dot(tl.trans(b_dmd), b_q, acc_dk, input_precision=DOT_PREC)
-        # through the solve: dA = -dx delta^T (j < i), A = beta_i (k_i . k_j) exp(G_i - G_j)
-        b_kk = tl.dot(b_k, tl.trans(b_k), input_precision=DOT_PREC)
-        b_p = -acc_da * _decay(b_gc, o_t[:, None] > o_t[None, :])
-        b_pb = b_beta[:, None] * b_p
-        b_daa = b_pb * b_kk  # dA * A
-        b_dg = tl.cumsum(tl.sum(b_daa, 1) - tl.sum(b_daa, 0), 0, reverse=True)
-        tl.store(dg1 + rows * H + i_h, b_dg, mask=rows < eos)
-        b_db = acc_db + tl.sum(b_p * b_kk, 1)
-        tl.store(dbeta + rows * H + i_h, b_db.to(dbeta.dtype.element_ty), mask=rows < eos)
-        b_pbc = b_pb.to(dt)
-        acc_dk = tl.dot(b_pbc, b_k, acc_dk, input_precision=DOT_PREC)
-        acc_dk = tl.dot(tl.trans(b_pbc), b_k, acc_dk, input_precision=DOT_PREC)
-        tl.store(dk + o_tk, acc_dk.to(dk.dtype.element_ty), mask=m_r)
+    acc_da = tl.zeros([BT, BT], dtype=tl.float32)  # dx delta^T
+    acc_xv = tl.zeros([BT], dtype=tl.float32)  # rows of dx . v (key tile 0)
+    acc_ss = tl.zeros([BK], dtype=tl.float32)  # dS' . S over this key tile
+    for i_v in range(0, V // BV):
+        b_s = _start_state(p_s, p_sc, o_s + i_v * BV, i_v, BV, QBV).to(dt)
+        b_ds = tl.load(p_ds + o_s + i_v * BV)
+        b_do = tl.load(do + o_tv + i_v * BV, mask=m_r, other=0.0).to(dt)
+        b_d = tl.load(delta + o_tv + i_v * BV, mask=m_r, other=0.0)
+        b_dx = tl.load(dx + o_tv + i_v * BV, mask=m_r, other=0.0)
+        acc_dq = tl.dot(b_do, tl.trans(b_s), acc_dq, input_precision=DOT_PREC)
+        acc_q = tl.dot(b_d, tl.trans(b_ds), acc_q, input_precision=DOT_PREC)
+        acc_p = tl.dot(b_dx, tl.trans(b_s), acc_p, input_precision=DOT_PREC)
+        acc_dm = tl.dot(b_do, tl.trans(b_d), acc_dm, input_precision=DOT_PREC)
+        acc_da = tl.dot(b_dx, tl.trans(b_d), acc_da, input_precision=DOT_PREC)
+        acc_ss += tl.sum(b_ds.to(tl.float32) * b_s.to(tl.float32), 1)
+        b_v = tl.load(v + o_tv + i_v * BV, mask=m_first, other=0.0)
+        acc_xv += tl.sum(b_dx.to(tl.float32) * b_v.to(tl.float32), 1)
+    o_tk = (rows[:, None] * H + i_h) * K + o_k[None, :]
+    b_k = tl.load(k + (rows[:, None] * HK + i_hk) * K + o_k[None, :], mask=m_r, other=0.0)
+    b_q = tl.load(q + (rows[:, None] * HK + i_hk) * K + o_k[None, :], mask=m_r, other=0.0)
+    # through o = scale (e^G q S + M delta): dM = scale do delta^T (j <= i)
+    b_dgc = scale * b_eg * tl.sum(b_q.to(tl.float32) * acc_dq, 1)
+    b_dmd = (scale * acc_dm * _decay(b_gc, o_t[:, None] >= o_t[None, :])).to(dt)
+    acc_dq = tl.dot(b_dmd, b_k, scale * b_eg[:, None] * acc_dq, input_precision=DOT_PREC)
+    tl.store(dq + o_tk, acc_dq.to(dq.dtype.element_ty), mask=m_r)
+    b_m = tl.load(aqk + (rows[:, None] * H + i_h) * BT + o_t[None, :], mask=m_first, other=0.0)
+    b_dmm = scale * acc_dm * b_m.to(tl.float32)  # dM * M (key tile 0)
+    b_dgc += tl.sum(b_dmm, 1) - tl.sum(b_dmm, 0)
+    # through x = beta (v - e^G k S) and S' = e^{G_last} S + (e^{G_last - G} k)^T delta
+    b_kq = b_el * tl.sum(b_k.to(tl.float32) * acc_q, 1)
+    b_kp = b_eg * tl.sum(b_k.to(tl.float32) * acc_p, 1)
+    b_dgc -= b_kq + b_beta * b_kp
+    b_dl = tl.sum(b_kq) + tl.exp(b_gl.to(tl.float32)) * tl.sum(acc_ss)  # dG_last
+    acc_dk = b_el[:, None] * acc_q - (b_beta * b_eg)[:, None] * acc_p
+    acc_dk = tl.dot(tl.trans(b_dmd), b_q, acc_dk, input_precision=DOT_PREC)
+    # through the solve: dA = -dx delta^T (j < i), A = beta_i (k_i . k_j) exp(G_i - G_j)
+    b_kk = tl.dot(b_k, tl.trans(b_k), input_precision=DOT_PREC)  # this key tile's part
+    b_p = -acc_da * _decay(b_gc, o_t[:, None] > o_t[None, :])
+    b_pb = b_beta[:, None] * b_p
+    b_daa = b_pb * b_kk  # dA * A
+    b_dgc += tl.sum(b_daa, 1) - tl.sum(b_daa, 0)
+    b_pbc = b_pb.to(dt)
+    acc_dk = tl.dot(b_pbc, b_k, acc_dk, input_precision=DOT_PREC)
+    acc_dk = tl.dot(tl.trans(b_pbc), b_k, acc_dk, input_precision=DOT_PREC)
+    tl.store(dk + o_tk, acc_dk.to(dk.dtype.element_ty), mask=m_r)
+    o_part = (rows * H + i_h) * (K // BK) + i_k  # [B, T, H, key tiles]
+    tl.store(dg + o_part, tl.cumsum(b_dgc, 0, reverse=True) + b_dl, mask=rows < eos)
+    tl.store(dbeta + o_part, acc_xv - b_kp + tl.sum(b_p * b_kk, 1), mask=rows < eos)
 
 
-def grad_config(k_dim: int, v_dim: int, dtype: torch.dtype) -> tuple[int, int, int]:
-    """``(BV, num_stages, num_warps)`` of ``_chunk_gdn_bwd_grad_kernel`` (the order of
-    :func:`recurrence_config`).
+def grad_config(k_dim: int, v_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
+    """``(BK, BV, num_stages, num_warps)`` of ``_chunk_gdn_bwd_grad_kernel``: 64-key tiles,
+    at least two value steps of at most 64, two stages, 8 warps (:func:`chunk_warps`' 2
+    where it says 2).
 
-    BV 16, 4 warps: the sm_90 cubin (Triton 3.6, bf16, K = V = 128) uses 255 registers
-    and 328 B of local memory a thread (measured on the H200), against 472 B at BV 32,
-    880 B at BV 64 and 296-936 B on 8 warps. With half inputs and a head size below 64,
-    Triton 3.6 miscompiles 4 or 8 warps on Hopper (wrong ``dk`` at K = 16, 32 and at
-    V = 16, illegal accesses at K, V <= 32), as for FLA's similar WY backward kernel;
-    2 warps compute them right.
+    sm_90 cubin of Triton 3.9, bf16, no local memory a thread at K = V = 128 (223
+    registers; packed 220, QDQ 227), K = V = 64 (BV 32: 223) and K = V = 256 (218),
+    against 416 B of local memory on 4 warps, 384 B in one value step of 64 at K = V = 64,
+    24-96 B with BK 128 on 8 warps. With 2 warps (half inputs, K = V = 32) it spills about
+    1.8 KB a thread.
     """
-    half = dtype != torch.float32
-    return 16, 1, 2 if half and min(k_dim, v_dim) < 64 else 4
+    warps = chunk_warps(k_dim, v_dim, dtype)
+    tile = max(16, min(64, v_dim // 2))
+    return min(k_dim, 64), tile, 2, 8 if warps == 4 else warps
+
+
+def chunk_warps(k_dim: int, v_dim: int, dtype: torch.dtype) -> int:
+    """Warps of a per-chunk GDN kernel: 4, or 2 with half inputs and a head size below 64.
+
+    There Triton 3.6 miscompiles 4 or 8 warps on Hopper (wrong ``dk`` at K = 16, 32 and
+    at V = 16, illegal accesses at K, V <= 32, in the grad kernel and both WY operand
+    kernels), as for FLA's similar WY backward kernel; 2 warps compute them right.
+    """
+    return 2 if dtype != torch.float32 and min(k_dim, v_dim) < 64 else 4
 
 
 def chunk_gdn_bwd(q, k, v, g, beta, initial_state, cu_seqlens, do, dht, *,
@@ -311,50 +344,73 @@ def chunk_gdn_bwd(q, k, v, g, beta, initial_state, cu_seqlens, do, dht, *,
         prepared = (*gdn_prepare(q, k, g, beta, cu_seqlens, layout), None, None)
     gc, ai, aqk, hs, hs_scales = prepared
     if hs is None:
-        hs, hs_scales = gdn_recompute_states(
+        hs, hs_scales, delta = gdn_recompute_states(
             k, v, gc, beta, ai, initial_state, cu_seqlens, layout,
-            state_v_first=state_v_first, qdq_block_v=state_qdq_block_v if state_qdq else 0)
-    dv, dhs, dh0 = gdn_state_grads(q, k, gc, beta, ai, aqk, v, do, dht, initial_state,
-                                   cu_seqlens, layout, scale=scale, state_v_first=state_v_first,
-                                   hs_shape=hs.shape)
+            state_v_first=state_v_first, qdq_block_v=state_qdq_block_v if state_qdq else 0,
+            deltas=True)
+    else:
+        delta = _deltas(k, v, gc, beta, ai, hs, hs_scales, cu_seqlens, layout, qdq_width)
+    dv, dx, dhs, dh0 = gdn_state_grads(
+        q, k, gc, beta, ai, aqk, v, do, dht, initial_state, cu_seqlens, layout, scale=scale,
+        state_v_first=state_v_first, hs_shape=hs.shape)
     dq, dk = key_grads(q, hv)
-    dg = torch.empty((2,) + tuple(g.shape), dtype=torch.float32, device=g.device)
-    dbeta = torch.empty(beta.shape, dtype=beta.dtype, device=beta.device)
-    tile, stages, warps = grad_config(dk_, dv_, k.dtype)
-    wrap_triton(_chunk_gdn_bwd_grad_kernel)[(bound, hv, 2)](
-        q, k, v, gc, beta, ai, aqk, hs, hs_scales, dhs, do, dv, dq, dk, dg[0], dg[1], dbeta,
+    key_tile, tile, stages, warps = grad_config(dk_, dv_, k.dtype)
+    if qdq_width:
+        tile = min(tile, qdq_width)  # one scale per value tile
+    parts = dk_ // key_tile
+    dg = torch.empty(tuple(g.shape) + (parts,), dtype=torch.float32, device=g.device)
+    dbeta = torch.empty(tuple(beta.shape) + (parts,), dtype=torch.float32, device=beta.device)
+    wrap_triton(_chunk_gdn_bwd_grad_kernel)[(parts, bound, hv)](
+        q, k, v, gc, beta, aqk, hs, hs_scales, dhs, do, delta, dx, dq, dk, dg, dbeta,
         spans, scale, length,
-        H=hv, HK=hk, K=dk_, V=dv_, BT=CHUNK, BV=tile, IS_VARLEN=cu_seqlens is not None,
-        DOT_PREC=dot_precision(k.dtype), QBV=qdq_width, num_warps=warps, num_stages=stages,
+        H=hv, HK=hk, K=dk_, V=dv_, BT=CHUNK, BK=key_tile, BV=tile,
+        IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(k.dtype), QBV=qdq_width,
+        num_warps=warps, num_stages=stages,
     )
-    dg = floored_gate_grad(dg[0] + dg[1], g)
+    dg, dbeta = floored_gate_grad(dg.sum(-1), g), dbeta.sum(-1).to(beta.dtype)
     dq, dk = sum_groups(dq, q), sum_groups(dk, k)
     if dh0 is not None and dh0.dtype != initial_state.dtype:
         dh0 = dh0.to(initial_state.dtype)
     return dq, dk, dv, dg, dbeta, dh0
 
 
+def _deltas(k, v, gc, beta, ai, hs, hs_scales, cu_seqlens, layout, qdq_width):
+    """``delta`` (like ``v``, ``k``'s dtype) of every chunk from its saved start state
+    ``hs`` (float8 with ``hs_scales`` where ``qdq_width``)."""
+    batch, length, n, hk, hv, dk_, dv_, bound, _, spans = layout
+    tile = min(dv_, 32, qdq_width or dv_)
+    delta = torch.empty(v.shape, dtype=k.dtype, device=v.device)
+    wrap_triton(_chunk_gdn_bwd_delta_kernel)[(bound, hv, dv_ // tile)](
+        k, v, gc, beta, ai, hs, hs_scales, delta, spans, length,
+        H=hv, HK=hk, K=dk_, V=dv_, BT=CHUNK, BV=tile, IS_VARLEN=cu_seqlens is not None,
+        DOT_PREC=dot_precision(k.dtype), QBV=qdq_width, num_warps=chunk_warps(dk_, dv_, k.dtype),
+    )
+    return delta
+
+
 def gdn_state_grads(q, k, gc, beta, ai, aqk, v, do, dht, initial_state, cu_seqlens, layout, *,
                     scale, state_v_first, hs_shape, w=None):
-    """Launch the state-gradient pass: ``(dv, dhs, dh0)``, ``dv`` like ``v``, each chunk's
-    end-state gradient ``dhs`` (``hs_shape``, ``k``'s dtype) and ``dh0`` (float32, None
-    without an initial state). ``w``: the WY operands given (``v`` is ``U``, ``dv`` its
-    gradient; ``beta`` and ``ai`` unused)."""
+    """Launch the state-gradient pass: ``(dv, dx, dhs, dh0)``, ``dv`` like ``v``, ``dx =
+    Ai^T ddelta`` like ``v`` in ``k``'s dtype (None with ``w``), each chunk's end-state
+    gradient ``dhs`` (``hs_shape``, ``k``'s dtype) and ``dh0`` (float32, None without an
+    initial state). ``w``: the WY operands given (``v`` is ``U``, ``dv`` its gradient;
+    ``beta`` and ``ai`` unused)."""
     batch, length, n, hk, hv, dk_, dv_, bound, offsets, _ = layout
     tile, stages, warps = recurrence_config(dk_, dv_, k.dtype, n * hv, v.device)
     dhs = k.new_empty(hs_shape)
     dv = torch.empty_like(v)
+    dx = None if w is not None else torch.empty(v.shape, dtype=k.dtype, device=v.device)
     dh0 = None
     if initial_state is not None:
         dh0 = torch.empty(initial_state.shape, dtype=torch.float32, device=v.device)
     wrap_triton(_chunk_gdn_bwd_state_kernel)[(n * hv, dv_ // tile)](
-        q, k, gc, beta, ai, aqk, w, do, dv, dht, dh0, dhs, cu_seqlens, offsets, scale, length,
-        H=hv, HK=hk, K=dk_, V=dv_, BT=CHUNK, BV=tile,
+        q, k, gc, beta, ai, aqk, w, do, dv, dx, dht, dh0, dhs, cu_seqlens, offsets, scale,
+        length, H=hv, HK=hk, K=dk_, V=dv_, BT=CHUNK, BV=tile,
         HAS_DHT=dht is not None, HAS_H0=initial_state is not None,
         STATE_V_FIRST=state_v_first, IS_VARLEN=cu_seqlens is not None,
         DOT_PREC=dot_precision(k.dtype), WY=w is not None, num_warps=warps, num_stages=stages,
     )
-    return dv, dhs, dh0
+    return dv, dx, dhs, dh0
 
 
 def floored_gate_grad(dg, g):

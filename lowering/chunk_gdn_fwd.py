@@ -16,7 +16,8 @@ and ``Ai = (I + A)^-1`` (the WY form of
    ``o = scale ((e^G q) S + M delta)``,
    ``S <- e^{G_last} S + (e^{G_last - G} k)^T delta``. ``W`` and ``U`` are never
    written: ``Ai`` is applied in the loop. With ``RECOMPUTE`` (the backward) it
-   writes each chunk's start state instead of ``o``. With ``STATE_QDQ`` (FP8 state
+   writes each chunk's start state instead of ``o``, and ``delta`` where ``o`` would go
+   when that buffer is given. With ``STATE_QDQ`` (FP8 state
    quantization) a program holds one whole ``[K, block_v]`` scale tile, quantizes the
    initial state and each chunk's final state (:mod:`.fp8`) and saves each chunk's start
    state as float8 values and a scale, exactly the state it used. With ``WY`` (the
@@ -62,8 +63,8 @@ from ._tiles import inv_unit_lower
 from .fp8 import qdq_tile, soft_cast
 
 __all__ = [
-    "chunk_gdn_fwd", "gdn_kernel_supports", "gdn_layout", "gdn_prepare", "gdn_recompute_states",
-    "qdq_tile_width", "recurrence_config", "require_gdn_kernels",
+    "chunk_gdn_fwd", "gdn_kernel_covers", "gdn_kernel_supports", "gdn_layout", "gdn_prepare",
+    "gdn_recompute_states", "qdq_tile_width", "recurrence_config", "require_gdn_kernels",
 ]
 
 CHUNK = 64  # tokens per chunk: the kernels are written for 4 blocks of 16
@@ -85,15 +86,24 @@ def gdn_kernel_supports(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size,
     ``state_qdq_block_v`` that :func:`qdq_tile_width` covers. Devices are the
     caller's concern. Reads no tensor values.
     """
-    dims = (k.shape[-1], v.shape[-1])
-    if chunk_size != CHUNK or q.dtype not in _DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+    return v.dtype == q.dtype and gdn_kernel_covers(
+        q, k, v.shape[-1], (g, beta, initial_state), chunk_size, state_qdq=state_qdq,
+        state_qdq_block_v=state_qdq_block_v)
+
+
+def gdn_kernel_covers(q, k, value_dim, others, chunk_size, *, state_qdq,
+                      state_qdq_block_v) -> bool:
+    """:func:`gdn_kernel_supports` for a ``v`` of q's dtype with ``V = value_dim``;
+    ``others``: the gates and the initial state (None where absent). Reads shapes and
+    dtypes only."""
+    dims = (k.shape[-1], value_dim)
+    if chunk_size != CHUNK or q.dtype not in _DTYPES or k.dtype != q.dtype:
         return False
     if not all(d in _HEAD_DIMS for d in dims):
         return False
     if state_qdq and qdq_tile_width(*dims, state_qdq_block_v, q.dtype) is None:
         return False
-    others = (g, beta) + ((initial_state,) if initial_state is not None else ())
-    return all(t.dtype in _DTYPES for t in others)
+    return all(t.dtype in _DTYPES for t in others if t is not None)
 
 
 def require_gdn_kernels(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size,
@@ -368,7 +378,11 @@ def _chunk_gdn_fwd_kernel(
             b_ks = tl.dot(b_k, b_hc, input_precision=DOT_PREC)
             b_x = b_beta[:, None] * (b_v.to(tl.float32) - tl.exp(b_gc)[:, None] * b_ks)
             b_d = tl.dot(b_ai, b_x.to(dt), input_precision=DOT_PREC)
-        if not RECOMPUTE:
+        if RECOMPUTE:
+            if o is not None:  # delta, for the backward's grad kernel
+                tl.store(o + (bos * H + i_h) * V + rows[:, None] * (H * V) + o_v[None, :],
+                         b_d.to(o.dtype.element_ty), mask=m_r)
+        else:
             b_q = tl.load(q + rows[:, None] * (HK * K) + o_k[None, :], mask=m_r, other=0.0)
             b_m = tl.load(aqk + rows[:, None] * (H * BT) + o_t[None, :], mask=m_r, other=0.0)
             b_o = tl.exp(b_gc)[:, None] * tl.dot(b_q, b_hc, input_precision=DOT_PREC)
@@ -406,9 +420,10 @@ def gdn_prepare(q, k, g, beta, cu_seqlens, layout, *, with_m=True, with_ai=True)
 
 
 def _recurrence(q, k, v, gc, beta, ai, aqk, initial_state, cu_seqlens, layout, *,
-                scale, state_v_first, recompute, qdq_block_v=0, w=None):
-    """The recurrence kernel: ``(o, ht, hs, hs_scales)``. ``recompute``: no ``o`` and ``ht``,
-    the start state of every chunk in ``hs``. ``qdq_block_v > 0``: state QDQ, one program
+                scale, state_v_first, recompute, qdq_block_v=0, w=None, deltas=False):
+    """The recurrence kernel: ``(o, ht, hs, hs_scales)``. ``recompute``: no ``ht``, the start
+    state of every chunk in ``hs`` and, with ``deltas``, ``delta`` (like ``v``, in ``k``'s
+    dtype) in place of ``o`` (else None). ``qdq_block_v > 0``: state QDQ, one program
     per scale tile, and ``hs`` (saved on either path) float8 with its ``hs_scales``.
     ``w``: the WY operands given, ``W`` and ``U`` in ``v`` (``beta``, ``ai`` unused)."""
     batch, length, n, hk, hv, dk, dv, bound, offsets, _ = layout
@@ -420,6 +435,8 @@ def _recurrence(q, k, v, gc, beta, ai, aqk, initial_state, cu_seqlens, layout, *
     if not recompute:
         o = torch.empty(v.shape, dtype=q.dtype, device=v.device)
         ht = torch.empty(shape, dtype=torch.float32, device=v.device)
+    elif deltas:
+        o = torch.empty(v.shape, dtype=k.dtype, device=v.device)
     if qdq_block_v:
         hs = torch.empty((bound, hv, dk, dv), dtype=torch.float8_e4m3fn, device=v.device)
         hs_scales = torch.empty((bound, hv, dv // tile), dtype=torch.float32, device=v.device)
@@ -490,12 +507,15 @@ def chunk_gdn_fwd(q, k, v, g, beta, initial_state, cu_seqlens, *, chunk_size, sc
 
 
 def gdn_recompute_states(k, v, gc, beta, ai, initial_state, cu_seqlens, layout, *,
-                         state_v_first, qdq_block_v=0, w=None):
-    """Start state of every chunk (backward): ``(hs, None)``, ``hs [chunks bound, Hv, K,
-    V]`` in ``k``'s dtype; with ``qdq_block_v > 0`` (state QDQ) float8 ``hs`` and its
-    scales, as :func:`chunk_gdn_fwd` returns them. ``w``: from the WY operands ``W`` and
-    ``U`` (in ``v``; ``beta`` and ``ai`` None)."""
-    return _recurrence(
+                         state_v_first, qdq_block_v=0, w=None, deltas=False):
+    """Start state of every chunk (backward): ``(hs, None, delta)``, ``hs [chunks bound, Hv,
+    K, V]`` in ``k``'s dtype; with ``qdq_block_v > 0`` (state QDQ) float8 ``hs`` and its
+    scales, as :func:`chunk_gdn_fwd` returns them. ``delta`` (like ``v``, ``k``'s dtype)
+    with ``deltas``, else None. ``w``: from the WY operands ``W`` and ``U`` (in ``v``;
+    ``beta`` and ``ai`` None)."""
+    o, _, hs, hs_scales = _recurrence(
         k, k, v, gc, beta, ai, None, initial_state, cu_seqlens, layout,
         scale=1.0, state_v_first=state_v_first, recompute=True, qdq_block_v=qdq_block_v, w=w,
-    )[2:]
+        deltas=deltas,
+    )
+    return hs, hs_scales, o

@@ -4,13 +4,15 @@ Run as a script without ``TRITON_INTERPRET`` (``@triton.jit`` must build real
 JIT functions). The op layer is forced onto the kernel path on CPU tensors and
 ``wrap_triton`` is replaced by a recorder, so each launcher runs its host code
 (grids, allocations, arguments) and records its launches without running them. Per
-kernel, the launch on its common path and the one with the most extra paths (the
-constexpr flags of :data:`_PATH_FLAGS`) are then compiled by Triton for an H100/H200
-(``GPUTarget("cuda", 90, 32)``, no GPU needed) with Python floats typed ``fp64``
-and ints ``i32``, as Inductor's generated code types them. Prints one line per
-kernel, ``ok`` or the error, and exits non-zero if any failed, or if torch's
-mutation analysis of ``wrap_triton`` sees any launch (fixed length or packed) write
-an index tensor such as ``cu_seqlens`` (see ``lowering/_launch.py``).
+kernel and sequence layout (fixed length, packed), the launch on its common path and
+the one with the most extra paths (the constexpr flags of :data:`_PATH_FLAGS`) are then
+compiled by Triton for an H100/H200 (``GPUTarget("cuda", 90, 32)``, no GPU needed) with
+Python floats typed ``fp64`` and ints ``i32``, as Inductor's generated code types them.
+Prints one line per kernel, ``ok`` or the error, and exits non-zero if any failed, or if
+torch's mutation analysis of ``wrap_triton`` sees any launch (fixed length or packed)
+write an index tensor such as ``cu_seqlens`` (see ``lowering/_launch.py``). That analysis
+is the installed torch's: torch 2.11's ``identify_mutated_tensors`` (scalars folded in as
+constants) or the ``identify_accessed_tensors`` of later versions.
 """
 
 from __future__ import annotations
@@ -111,6 +113,13 @@ def _run_ops(B, T, H, K, dtypes):
         out = kdn_compile.diag_kdn(x["q"], x["k"], x["v"], x["log_alpha"], x["omega"], rr,
                                    memory, precision, scale=0.125, info_scale=1.0)
         torch.autograd.grad(out[0].sum(), [x["q"], x["k"]])
+        # packed: the gain's chunk spans and the memory's chunk map from cu_seqlens
+        cu = torch.tensor([0, T * 3 // 7, T * 3 // 7, T])
+        out = kdn_compile.diag_kdn(*(x[n][:1] for n in ("q", "k", "v", "log_alpha", "omega")),
+                                   rr[:1], memory[:1].expand(3, -1, -1, -1).requires_grad_(),
+                                   precision[:1].expand(3, -1, -1).requires_grad_(),
+                                   scale=0.125, info_scale=1.0, cu_seqlens=cu)
+        torch.autograd.grad(sum(o.sum() for o in out), [x["q"], x["k"], x["omega"]])
         _run_decode(B, H, K, dtype, gen)
 
 
@@ -147,7 +156,7 @@ def _decode_calls(H, K, dtype, gen):
 def record_launches(B=1, T=70, H=2, K=64, dtypes=(torch.bfloat16, torch.float32), sms=None,
                     every=False):
     """``{kernel name: (kernel, grid, args, kwargs)}``: the first launch of every kernel
-    by GDN, KDA and Diag-KDN (fixed length, then packed; forward and backward) on CPU
+    by GDN, KDA and Diag-KDN (fixed length and packed; forward and backward) on CPU
     tensors of ``B x T x H x K`` (``K = V``), with tiles chosen as for ``sms``
     multiprocessors when given; with ``every``, the list of all launches. Patches the
     launcher modules for good (a script's job)."""
@@ -202,9 +211,16 @@ _PATH_FLAGS = ("STATE_QDQ", "QBV", "WALK", "WY", "WITH_M", "WITH_AI")
 
 
 def variant(kernel, kwargs) -> str:
-    """A kernel's name, with the path flags it was launched with."""
+    """A kernel's name, with the path flags it was launched with (and ``packed``)."""
     flags = [f"{f}={kwargs[f]}" for f in _PATH_FLAGS if f in kwargs]
+    flags += ["packed"] if _packed(kwargs) else []
     return kernel.fn.__name__ + (f"[{','.join(flags)}]" if flags else "")
+
+
+def _packed(kwargs) -> bool:
+    """A launch specialized for packed sequences: ``IS_VARLEN`` (the token recurrence's
+    ``VARLEN``). The two-key kernels read a chunk map either way."""
+    return bool(kwargs.get("IS_VARLEN", kwargs.get("VARLEN", False)))
 
 
 def _paths(kwargs) -> int:
@@ -212,11 +228,12 @@ def _paths(kwargs) -> int:
 
 
 def compiled_variants(launches) -> dict:
-    """``{variant: (kernel, args, kwargs)}``: per kernel, the first launch with no path flag
-    set (the common path) and the one with the most set (every other path's code)."""
+    """``{variant: (kernel, args, kwargs)}``: per kernel and sequence layout (fixed length,
+    packed), the first launch with no path flag set (the common path) and the one with the
+    most set (every other path's code)."""
     plain, fullest = {}, {}
     for kernel, _, args, kwargs in launches:
-        name = kernel.fn.__name__
+        name = (kernel.fn.__name__, _packed(kwargs))
         if _paths(kwargs) == 0:
             plain.setdefault(name, (kernel, args, kwargs))
         if name not in fullest or _paths(kwargs) > _paths(fullest[name][2]):

@@ -87,8 +87,16 @@ def _check(x, cu_seqlens, *, state_v_first, tol, with_dht=True, seed=1, qdq=None
             assert grad is None, name
             continue
         assert grad.dtype == x[name].dtype, name
-        assert_close(grad, expected[name], tol, f"d{name}")
+        assert_close(grad, expected[name], _grad_tol(name, x[name].dtype, tol), f"d{name}")
     return ht
+
+
+def _grad_tol(name: str, dtype: torch.dtype, tol: float) -> float:
+    """``dg`` in half precision gets twice ``tol`` (as FLA's tests): each gate's gradient is
+    a difference of products summed over the key, so with few tokens one cancelling term
+    dominates its error (bf16, 1 x 300 x 1 head, K 64, V 128 on the H200: 1.27e-2 in one
+    run of four, each with its own seed; below 1e-2 in the others)."""
+    return 2 * tol if name == "g" and dtype != torch.float32 else tol
 
 
 # -- CPU (interpreter) ---------------------------------------------------------------------
@@ -124,6 +132,24 @@ def test_kernels_match_reference_fp16():
     cu_seqlens = torch.tensor([0, 30, 100], dtype=torch.int32, device=device)
     x = _inputs(1, 100, 1, 2, 64, 64, N=2, dtype=torch.float16, device=device, seed=7)
     _check(x, cu_seqlens, state_v_first=False, tol=1e-2)
+
+
+@kernels
+@pytest.mark.parametrize("cu,qdq", [(None, None), ([0, 1, 37, 100], None), (None, 16)],
+                         ids=["fixed", "varlen", "qdq"])
+def test_grad_kernel_key_tiles(monkeypatch, cu, qdq):
+    """The grad kernel with the keys split into 16-wide tiles (K = 32: two), as at K >= 128:
+    the per-tile parts of ``dg`` and ``dbeta`` summed, ``dq``, ``dk`` tile by tile; grouped
+    value heads, packed sequences and the saved float8 states of QDQ."""
+    from kdn_compile.lowering import chunk_gdn_bwd as bwd
+
+    real = bwd.grad_config
+    monkeypatch.setattr(bwd, "grad_config", lambda k, v, dt: (16, *real(k, v, dt)[1:]))
+    device = "cuda" if CUDA else "cpu"
+    cu_seqlens = None if cu is None else torch.tensor(cu, dtype=torch.int32, device=device)
+    N = 1 if cu is None else len(cu) - 1
+    x = _inputs(1, 100, 1, 2, 32, 32, N=N, dtype=torch.float32, device=device, seed=5)
+    _check(x, cu_seqlens, state_v_first=False, tol=1e-4, qdq=qdq)
 
 
 QDQ_CASES = [
