@@ -5,9 +5,8 @@ gradient ``dS'``, ``x = beta (v - (e^G k) S)``, ``delta = Ai x``,
 ``M = (q k^T) * exp(G_i - G_j)`` (``j <= i``):
 
 1. the forward recurrence again, keeping each chunk's start state ``S`` and ``delta``
-   (with FP8 state QDQ, the float8 states the forward saved instead: the gradient passes
-   every QDQ unchanged, so only ``S`` differs; ``_chunk_gdn_bwd_delta_kernel``, one
-   program per chunk, value head and value tile, then computes ``delta`` from them);
+   (with FP8 state QDQ the same kernel and tiles as the forward's, so the same float8
+   states bit for bit: the gradient passes every QDQ unchanged, so only ``S`` differs);
 2. ``_chunk_gdn_bwd_state_kernel``, chunks in reverse with ``dS`` in registers:
    ``ddelta = scale M^T do + (e^{G_last - G} k) dS'``, ``dx = Ai^T ddelta`` (kept),
    ``dv = beta dx`` (final) and
@@ -153,46 +152,6 @@ def _start_state(p_s, p_sc, o_s, i_v, BV: tl.constexpr, QBV: tl.constexpr):
 
 
 @triton.jit
-def _chunk_gdn_bwd_delta_kernel(
-    k, v, gc, beta, ai, hs, hs_scales, delta, spans, T,
-    H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BT: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
-    QBV: tl.constexpr,
-):
-    """Program ``(chunk, head, value tile)``: ``delta = Ai (beta (v - (e^G k) S))`` from the
-    saved start state ``S``, as the forward recurrence computed it."""
-    i_c, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    if IS_VARLEN:  # index loads in the kernel body: see _launch.py
-        t0 = tl.load(spans + 2 * i_c).to(tl.int64)
-        eos = tl.load(spans + 2 * i_c + 1).to(tl.int64)
-    else:
-        t0, eos = fixed_chunk(i_c, T, BT)
-    if t0 >= eos:
-        return
-    i_hk = i_h // (H // HK)
-    dt = k.dtype.element_ty
-    o_t = tl.arange(0, BT)
-    rows = t0 + o_t
-    m_r = (rows < eos)[:, None]
-    b_k = tl.load(k + (rows[:, None] * HK + i_hk) * K + tl.arange(0, K)[None, :], mask=m_r,
-                  other=0.0)
-    b_ai = tl.load(ai + (rows[:, None] * H + i_h) * BT + o_t[None, :], mask=m_r, other=0.0)
-    b_gc = tl.load(gc + rows * H + i_h, mask=rows < eos, other=0.0)
-    b_beta = tl.load(beta + rows * H + i_h, mask=rows < eos, other=0.0).to(tl.float32)
-    p_sc = hs_scales
-    if QBV:
-        p_sc = hs_scales + (i_c.to(tl.int64) * H + i_h) * (V // QBV)
-    o_s = tl.arange(0, K)[:, None] * V + i_v * BV + tl.arange(0, BV)[None, :]
-    b_s = _start_state(hs + (i_c.to(tl.int64) * H + i_h) * K * V, p_sc, o_s, i_v, BV, QBV)
-    o_tv = (rows[:, None] * H + i_h) * V + i_v * BV + tl.arange(0, BV)[None, :]
-    b_v = tl.load(v + o_tv, mask=m_r, other=0.0).to(tl.float32)
-    b_ks = tl.dot(b_k, b_s.to(dt), input_precision=DOT_PREC)
-    b_x = b_beta[:, None] * (b_v - tl.exp(b_gc.to(tl.float32))[:, None] * b_ks)
-    b_d = tl.dot(b_ai, b_x.to(dt), input_precision=DOT_PREC)
-    tl.store(delta + o_tv, b_d.to(delta.dtype.element_ty), mask=m_r)
-
-
-@triton.jit
 def _chunk_gdn_bwd_grad_kernel(
     q, k, v, gc, beta, aqk, hs, hs_scales, dhs, do, delta, dx, dq, dk, dg, dbeta, spans,
     scale, T,
@@ -319,10 +278,10 @@ def chunk_gdn_bwd(q, k, v, g, beta, initial_state, cu_seqlens, do, dht, *,
     """Gradients of :func:`chunk_gdn_fwd` for ``do`` (like ``o``) and ``dht`` (like the final state).
 
     Inputs as :func:`chunk_gdn_fwd`; ``prepared`` is its ``(gc, ai, aqk, hs, hs_scales)``
-    or None (then the prepare kernel runs again); the chunk start states are recomputed
-    unless given (``hs`` not None: the float8 states of ``state_qdq``). With
-    ``state_qdq`` the gradient passes each QDQ unchanged (straight-through), so only the
-    start states differ. ``dht`` may be None (zero). Returns
+    (``hs`` and ``hs_scales`` unused) or None (then the prepare kernel runs again); the
+    chunk start states are recomputed with ``delta`` (under ``state_qdq``, the forward's
+    float8 states bit for bit). With ``state_qdq`` the gradient passes each QDQ unchanged
+    (straight-through), so only the start states differ. ``dht`` may be None (zero). Returns
     ``(dq, dk, dv, dg, dbeta, dh0)`` in the dtypes of
     ``q, k, v, g, beta, initial_state``; ``dh0`` is None without an initial state.
     Raises ValueError for inputs that
@@ -342,14 +301,13 @@ def chunk_gdn_bwd(q, k, v, g, beta, initial_state, cu_seqlens, do, dht, *,
 
     if prepared is None:
         prepared = (*gdn_prepare(q, k, g, beta, cu_seqlens, layout), None, None)
-    gc, ai, aqk, hs, hs_scales = prepared
-    if hs is None:
-        hs, hs_scales, delta = gdn_recompute_states(
-            k, v, gc, beta, ai, initial_state, cu_seqlens, layout,
-            state_v_first=state_v_first, qdq_block_v=state_qdq_block_v if state_qdq else 0,
-            deltas=True)
-    else:
-        delta = _deltas(k, v, gc, beta, ai, hs, hs_scales, cu_seqlens, layout, qdq_width)
+    gc, ai, aqk = prepared[:3]
+    # With state QDQ this recomputes the forward's float8 states bit for bit (the same
+    # kernel and tiles) alongside delta.
+    hs, hs_scales, delta = gdn_recompute_states(
+        k, v, gc, beta, ai, initial_state, cu_seqlens, layout,
+        state_v_first=state_v_first, qdq_block_v=state_qdq_block_v if state_qdq else 0,
+        deltas=True)
     dv, dx, dhs, dh0 = gdn_state_grads(
         q, k, gc, beta, ai, aqk, v, do, dht, initial_state, cu_seqlens, layout, scale=scale,
         state_v_first=state_v_first, hs_shape=hs.shape)
@@ -372,20 +330,6 @@ def chunk_gdn_bwd(q, k, v, g, beta, initial_state, cu_seqlens, do, dht, *,
     if dh0 is not None and dh0.dtype != initial_state.dtype:
         dh0 = dh0.to(initial_state.dtype)
     return dq, dk, dv, dg, dbeta, dh0
-
-
-def _deltas(k, v, gc, beta, ai, hs, hs_scales, cu_seqlens, layout, qdq_width):
-    """``delta`` (like ``v``, ``k``'s dtype) of every chunk from its saved start state
-    ``hs`` (float8 with ``hs_scales`` where ``qdq_width``)."""
-    batch, length, n, hk, hv, dk_, dv_, bound, _, spans = layout
-    tile = min(dv_, 32, qdq_width or dv_)
-    delta = torch.empty(v.shape, dtype=k.dtype, device=v.device)
-    wrap_triton(_chunk_gdn_bwd_delta_kernel)[(bound, hv, dv_ // tile)](
-        k, v, gc, beta, ai, hs, hs_scales, delta, spans, length,
-        H=hv, HK=hk, K=dk_, V=dv_, BT=CHUNK, BV=tile, IS_VARLEN=cu_seqlens is not None,
-        DOT_PREC=dot_precision(k.dtype), QBV=qdq_width, num_warps=chunk_warps(dk_, dv_, k.dtype),
-    )
-    return delta
 
 
 def gdn_state_grads(q, k, gc, beta, ai, aqk, v, do, dht, initial_state, cu_seqlens, layout, *,

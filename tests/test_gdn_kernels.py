@@ -189,19 +189,24 @@ def test_state_qdq_kernels_match_reference(B, T, Hk, Hv, K, V, cu, with_state, s
 
 @kernels
 def test_state_qdq_backward_recomputes_the_same_states():
-    """Without the forward's saved float8 states the backward recomputes them (QDQ included):
-    the gradients are the same bit for bit."""
+    """The backward's recomputed float8 chunk states and scales are the forward's, bit for
+    bit, and with them delta (the backward never reads the forward's saved states)."""
+    from kdn_compile.lowering.chunk_gdn_fwd import gdn_layout, gdn_recompute_states
+
     device = "cuda" if CUDA else "cpu"
-    x = _inputs(1, 70, 1, 1, 16, 32, N=1, dtype=torch.float32, device=device, seed=4)
-    args = [x[n] for n in ("q", "k", "v", "g", "beta", "initial_state")] + [None]
-    options = dict(chunk_size=64, scale=0.25, state_v_first=False, state_qdq=True,
-                   state_qdq_block_v=16)
-    o, ht, *prepared = chunk_gdn_fwd(*args, **options)
-    do, dht = torch.randn_like(o), torch.randn_like(ht)
-    saved = chunk_gdn_bwd(*args, do, dht, prepared=prepared, **options)
-    again = chunk_gdn_bwd(*args, do, dht, prepared=None, **options)
-    for name, a, b in zip(GRADS, saved, again):
-        assert torch.equal(a, b), name
+    for B, T, K, V, block_v in ((1, 70, 16, 32, 16), (2, 130, 32, 64, 64)):
+        x = _inputs(B, T, 1, 2, K, V, N=B, dtype=torch.float32, device=device, seed=4)
+        args = [x[n] for n in ("q", "k", "v", "g", "beta", "initial_state")] + [None]
+        o, ht, gc, ai, aqk, hs, scales = chunk_gdn_fwd(
+            *args, chunk_size=64, scale=0.25, state_v_first=False, state_qdq=True,
+            state_qdq_block_v=block_v)
+        layout = gdn_layout(x["q"], x["v"], None)
+        hs2, scales2, delta = gdn_recompute_states(
+            x["k"], x["v"], gc, x["beta"], ai, x["initial_state"], None, layout,
+            state_v_first=False, qdq_block_v=block_v, deltas=True)
+        assert torch.equal(hs.view(torch.uint8), hs2.view(torch.uint8)), (B, T, K, V)
+        assert torch.equal(scales, scales2), (B, T, K, V)
+        assert delta.shape == x["v"].shape and bool(delta.isfinite().all())
 
 
 def test_supports():
