@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 
 import pytest
 import torch
@@ -19,6 +20,23 @@ def kernels(test):
     """Mark ``test`` as running our Triton kernels: on CUDA (a GPU tier test) or, without
     CUDA, in Triton's interpreter."""
     return pytest.mark.interpreter(pytest.mark.gpu(test))
+
+
+def interpreting() -> bool:
+    """Whether ``@triton.jit`` kernels run in Triton's interpreter (``TRITON_INTERPRET=1``,
+    which conftest.py sets where there is no CUDA)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def without_interpreter() -> dict:
+    """This process's environment less ``TRITON_INTERPRET``: for a child process whose
+    kernels must build for a real target (traced or compiled, not run)."""
+    return {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+
+
+# A test outside the GPU tiers that runs the kernels: on CUDA, or in the interpreter.
+needs_kernels = pytest.mark.skipif(not (torch.cuda.is_available() or interpreting()),
+                                   reason="needs CUDA or TRITON_INTERPRET=1")
 
 
 def rel_error(actual: torch.Tensor, expected: torch.Tensor) -> float:

@@ -27,6 +27,7 @@ if not CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
+from _helpers import interpreting  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Child processes started by tests import this checkout's kdn_compile (and the tests'
@@ -57,14 +58,14 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    interpreting = os.environ.get("TRITON_INTERPRET") == "1"
+    interpreted = interpreting()
     for item in items:
         if item.get_closest_marker("gpu") is None:
             continue
         group = _GROUP_OF.get(os.path.basename(str(item.fspath)))
         if group is not None:
             item.add_marker(getattr(pytest.mark, group))
-        if not CUDA and not (interpreting and item.get_closest_marker("interpreter")):
+        if not CUDA and not (interpreted and item.get_closest_marker("interpreter")):
             item.add_marker(pytest.mark.skip(reason="needs CUDA"))
 
 
@@ -118,7 +119,7 @@ def _restore_global_state():
 @pytest.fixture(autouse=True)
 def _kernel_bounds():
     """In the interpreter, fail a test whose kernels load or store outside their buffers."""
-    if os.environ.get("TRITON_INTERPRET") != "1":
+    if not interpreting():
         yield
         return
     try:

@@ -10,26 +10,20 @@ gates near zero and strongly negative, lengths up to 32768.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from kdn_compile.lowering.chunk_gdn_bwd import chunk_gdn_bwd  # noqa: E402
-from kdn_compile.lowering.chunk_gdn_fwd import (  # noqa: E402
+from kdn_compile.lowering.chunk_gdn_bwd import chunk_gdn_bwd
+from kdn_compile.lowering.chunk_gdn_fwd import (
     chunk_gdn_fwd, gdn_kernel_supports, qdq_tile_width,
 )
-from kdn_compile.reference import chunk_gdn_reference  # noqa: E402
-from tests._helpers import (  # noqa: E402
+from kdn_compile.reference import chunk_gdn_reference
+from tests._helpers import (
     assert_close, count_calls, gpu, kernels, poisoned as _poisoned, slow,
 )
 
 CUDA = torch.cuda.is_available()
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 GRADS = ("q", "k", "v", "g", "beta", "initial_state")
 
 

@@ -16,17 +16,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from kdn_compile.lowering.kalman_gain import (  # noqa: E402
+from kdn_compile.lowering.kalman_gain import (
     kalman_gain_bwd,
     kalman_gain_fwd,
     kalman_gain_kernel_supports,
 )
-from kdn_compile.reference import diag_kdn_recurrent, kalman_gain  # noqa: E402
+from kdn_compile.reference import diag_kdn_recurrent, kalman_gain
 
-from _helpers import assert_close, gpu, kernels  # noqa: E402
+from _helpers import assert_close, gpu, kernels, without_interpreter
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 INFO_SCALE = 0.7
@@ -291,9 +288,8 @@ def test_launchers_trace_symbolically_without_host_reads():
     import subprocess
     import sys
 
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", _TRACE_SCRIPT], env=env, capture_output=True,
-                          text=True, timeout=300)
+    done = subprocess.run([sys.executable, "-c", _TRACE_SCRIPT], env=without_interpreter(),
+                          capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-3000:]
 
 
@@ -307,8 +303,7 @@ def test_diag_kdn_kernel_path_compiles_fullgraph():
     import subprocess
     import sys
 
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "tests/_trace_kernel_path.py", "gain"], env=env,
-                          capture_output=True, text=True, timeout=300,
+    done = subprocess.run([sys.executable, "tests/_trace_kernel_path.py", "gain"],
+                          env=without_interpreter(), capture_output=True, text=True, timeout=300,
                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert done.returncode == 0 and "counts [3, 3]" in done.stdout, done.stderr[-3000:]

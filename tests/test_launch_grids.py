@@ -8,16 +8,14 @@ replaced by a recorder (no kernel runs), for 2100 packed sequences x 32 value he
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 import kdn_compile
-from _helpers import launch_recorder, launcher_modules
+from _helpers import interpreting, launch_recorder, launcher_modules
 
-pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+pytestmark = pytest.mark.skipif(not interpreting(),
                                 reason="the kernel path on CPU needs TRITON_INTERPRET=1")
 
 N, HV, K = 2100, 32, 16

@@ -37,7 +37,7 @@ import kdn_compile.ops.gdn
 import kdn_compile.ops.kda
 import kdn_compile.ops.kdn
 import kdn_compile.ops.recurrent
-from _helpers import assert_close, count_calls, delta_rule_oracle, diag_kdn_oracle
+from _helpers import assert_close, count_calls, delta_rule_oracle, diag_kdn_oracle, interpreting
 from kdn_compile import fla
 from kdn_compile.ops._dispatch import TRITON
 
@@ -51,7 +51,7 @@ PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "ci")
 settings.load_profile(PROFILE)
 _DEPTH = 10 if PROFILE == "deep" else 1
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1" and not torch.cuda.is_available()
+INTERPRETED = interpreting() and not torch.cuda.is_available()
 needs_interpreter = pytest.mark.skipif(
     not (TRITON and INTERPRETED), reason="needs Triton's interpreter on the CPU")
 

@@ -14,13 +14,10 @@ import pytest
 import torch
 
 import kdn_compile
-from _helpers import kernels
+from _helpers import kernels, needs_kernels, without_interpreter
 from kdn_compile.quantization import fp8_row_qdq
 from kdn_compile.reference.fp8 import e4m3_scale, quantize_state_fp8, state_fp8_qdq_reference
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-needs_kernels = pytest.mark.skipif(not (torch.cuda.is_available() or INTERPRET),
-                                   reason="needs CUDA or TRITON_INTERPRET=1")
 
 
 def fp8_states(shape, block_v, dtype, device="cpu", seed=0) -> torch.Tensor:
@@ -228,9 +225,9 @@ def test_qat_kernel_paths_trace_as_on_the_gpu(which, expected):
     import subprocess
     import sys
 
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    done = subprocess.run([sys.executable, "tests/_trace_kernel_path.py", which], env=env,
+    done = subprocess.run([sys.executable, "tests/_trace_kernel_path.py", which],
+                          env=without_interpreter(),
                           capture_output=True, text=True, timeout=600, cwd=root)
     assert done.returncode == 0 and expected in done.stdout, done.stdout + done.stderr[-3000:]
 

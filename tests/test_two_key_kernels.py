@@ -19,18 +19,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from kdn_compile.lowering.two_key_bwd import two_key_bwd  # noqa: E402
-from kdn_compile.lowering.two_key_common import (  # noqa: E402
+from kdn_compile.lowering.two_key_bwd import two_key_bwd
+from kdn_compile.lowering.two_key_common import (
     LOG_DECAY_BOUND,
     two_key_kernel_supports,
 )
-from kdn_compile.lowering.two_key_fwd import two_key_fwd  # noqa: E402
-from kdn_compile.reference import LOG_MEMORY_ALPHA_FLOOR, two_key_chunk_recurrence  # noqa: E402
+from kdn_compile.lowering.two_key_fwd import two_key_fwd
+from kdn_compile.reference import LOG_MEMORY_ALPHA_FLOOR, two_key_chunk_recurrence
 
-from _helpers import assert_close, count_calls, gpu, kernels, slow  # noqa: E402
+from _helpers import assert_close, count_calls, gpu, kernels, slow, without_interpreter
 
 GRADS = ("q", "k", "w", "v", "log_decay", "initial_state")
 # float32 inputs: every kernel product is exact fp32 (``DOT_PREC = "ieee"``), so results
@@ -527,9 +524,9 @@ def test_kernel_path_traces_as_on_the_gpu(which, expected):
     import subprocess
     import sys
 
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    done = subprocess.run([sys.executable, "tests/_trace_kernel_path.py", which], env=env,
+    done = subprocess.run([sys.executable, "tests/_trace_kernel_path.py", which],
+                          env=without_interpreter(),
                           capture_output=True, text=True, timeout=600, cwd=root)
     assert done.returncode == 0 and expected in done.stdout, done.stdout + done.stderr[-3000:]
     if which == "export":
