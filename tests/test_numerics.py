@@ -12,7 +12,8 @@ import math
 import pytest
 import torch
 
-from _helpers import assert_close, delta_inputs, kdn_inputs, needs_kernels
+from _helpers import assert_close, needs_kernels
+from _inputs import delta_inputs, kdn_inputs
 from kdn_compile import reference as ref
 
 CUDA = torch.cuda.is_available()

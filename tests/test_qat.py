@@ -168,7 +168,8 @@ def test_state_qdq_through_a_state_decayed_below_every_scale(backend, monkeypatc
     gates summing to -100: the chunk state at its end is ``e^-100`` of the one before
     (float32 subnormals), which quantizes to zeros. Outputs, final state and gradients are
     finite and within half an E4M3 step (``2^-4``, relative) of the run without QDQ."""
-    from _helpers import assert_close, count_calls, delta_inputs
+    from _helpers import assert_close, count_calls
+    from _inputs import delta_inputs
     from kdn_compile.ops import gdn
 
     device = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
@@ -254,7 +255,8 @@ def _grads(outputs, leaves, cotangents):
 def test_wy_kernels_match_reference(B, T, Hk, Hv, K, V, cu, state_v_first, block_v):
     """Both halves against their float64 references, values and every gradient: the
     operands ``W``, ``U``, and the recurrence from random ``W``, ``U`` (FP8 state QDQ too)."""
-    from _helpers import assert_close, delta_inputs, poisoned
+    from _helpers import assert_close, poisoned
+    from _inputs import delta_inputs
     from kdn_compile.lowering import chunk_gdn_wy as wy
     from kdn_compile.reference import gdn_wy_operands_reference, gdn_wy_recurrence_reference
 
@@ -311,7 +313,8 @@ def test_w_quantizer_runs_on_the_kernels_and_matches_reference(monkeypatch):
     """``chunk_gdn(..., w_quantizer=fp8_row_qdq)`` with the kernel ops (backend "triton"):
     both halves launch their kernels forward and backward, and values and gradients match
     ``chunk_gdn_reference`` with the same callable (float64)."""
-    from _helpers import assert_close, count_calls, delta_inputs, rel_error
+    from _helpers import assert_close, count_calls, rel_error
+    from _inputs import delta_inputs
     from kdn_compile.ops import gdn_wy
     from kdn_compile.reference import chunk_gdn_reference
 

@@ -17,7 +17,6 @@ import os
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from kdn_compile.lowering.two_key_bwd import two_key_bwd
 from kdn_compile.lowering.two_key_common import (
@@ -28,6 +27,7 @@ from kdn_compile.lowering.two_key_fwd import two_key_fwd
 from kdn_compile.reference import LOG_MEMORY_ALPHA_FLOOR, two_key_chunk_recurrence
 
 from _helpers import assert_close, count_calls, gpu, kernels, slow, without_interpreter
+from _inputs import delta_inputs, kdn_inputs, two_key_inputs
 
 GRADS = ("q", "k", "w", "v", "log_decay", "initial_state")
 # float32 inputs: every kernel product is exact fp32 (``DOT_PREC = "ieee"``), so results
@@ -40,27 +40,6 @@ FP32_TOL = 1e-4
 # KDA / gated delta rule tests allow for dg. Measured on the H200 (bf16):
 # 1.07e-2 with half the gates at LOG_MEMORY_ALPHA_FLOOR, 1.20e-2 at LOG_DECAY_BOUND.
 HALF_TOL, HALF_GATE_GRAD_TOL = 1e-2, 2e-2
-
-
-def two_key_inputs(B, T, Hk, Hv, K, V, *, N=None, seed=0, gate_min=-1.0, floor_share=0.0,
-                   with_state=True, state_v_first=False):
-    """float64 inputs: unit q/k, ``w = beta k`` (per value head), gates in (gate_min, 0).
-
-    A ``floor_share`` of the gates sits exactly at ``gate_min`` (the safety bound).
-    """
-    gen = torch.Generator().manual_seed(seed)
-    r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
-    u = lambda *s: torch.rand(*s, generator=gen, dtype=torch.float64)  # noqa: E731
-    q = F.normalize(r(B, T, Hk, K), dim=-1)
-    k = F.normalize(r(B, T, Hk, K), dim=-1)
-    w = k.repeat_interleave(Hv // Hk, 2) * u(B, T, Hv, 1)
-    g = gate_min * u(B, T, Hv, K)
-    g = torch.where(u(B, T, Hv, K) < floor_share, torch.full_like(g, gate_min), g)
-    n = B if N is None else N
-    state = None
-    if with_state:
-        state = r(n, Hv, V, K) if state_v_first else r(n, Hv, K, V)
-    return {"q": q, "k": k, "w": w, "v": r(B, T, Hv, V), "log_decay": g, "initial_state": state}
 
 
 def reference(x, cu_seqlens, do, dht, *, scale, state_v_first):
@@ -281,14 +260,7 @@ def test_chunk_kda_op_kernel_path_matches_reference(monkeypatch):
     tol = HALF_TOL if device == "cuda" else FP32_TOL
     gen = torch.Generator().manual_seed(3)
     B, T, Hk, Hv, K, V = (1, 70, 1, 2, 16, 16) if device == "cpu" else (2, 300, 2, 4, 128, 128)
-    x = {
-        "q": F.normalize(torch.randn(B, T, Hk, K, generator=gen, dtype=torch.float64), dim=-1),
-        "k": F.normalize(torch.randn(B, T, Hk, K, generator=gen, dtype=torch.float64), dim=-1),
-        "v": torch.randn(B, T, Hv, V, generator=gen, dtype=torch.float64),
-        "g": -torch.rand(B, T, Hv, K, generator=gen, dtype=torch.float64),
-        "beta": torch.rand(B, T, Hv, generator=gen, dtype=torch.float64),
-        "initial_state": torch.randn(B, Hv, K, V, generator=gen, dtype=torch.float64),
-    }
+    x = delta_inputs(B, T, Hk, Hv, K, V, per_key=True, seed=gen)
     do = torch.randn(B, T, Hv, V, generator=gen, dtype=torch.float64)
     dht = torch.randn(B, Hv, K, V, generator=gen, dtype=torch.float64)
     ref_in = {n: t.clone().requires_grad_() for n, t in x.items()}
@@ -316,15 +288,12 @@ def test_chunk_kda_op_kernel_path_matches_reference(monkeypatch):
 def _kda_op_args(T=70, cu_seqlens=None, seed=6):
     """float32 arguments of ``kdn::chunk_kda`` that its kernels cover (chunk 64)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    gen = torch.Generator().manual_seed(seed)
-    B, Hk, Hv, K, V = (1 if cu_seqlens is not None else 2), 1, 2, 16, 16
+    B = 1 if cu_seqlens is not None else 2
     N = B if cu_seqlens is None else len(cu_seqlens) - 1
-    r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
-    leaf = lambda t: t.to(device).requires_grad_()  # noqa: E731
+    x = delta_inputs(B, T, 1, 2, 16, 16, per_key=True, N=N, seed=seed, dtype=torch.float32,
+                     device=device, requires_grad=True)
     cu = None if cu_seqlens is None else torch.tensor(cu_seqlens, device=device)
-    return (leaf(F.normalize(r(B, T, Hk, K), dim=-1)), leaf(F.normalize(r(B, T, Hk, K), dim=-1)),
-            leaf(r(B, T, Hv, V)), leaf(-torch.rand(B, T, Hv, K, generator=gen)),
-            leaf(torch.rand(B, T, Hv, generator=gen)), leaf(r(N, Hv, K, V)), cu, 64, 0.25, False)
+    return (*x.values(), cu, 64, 0.25, False)
 
 
 @kernels
@@ -369,7 +338,6 @@ def test_diag_kdn_op_memory_kernels_match_reference(varlen, monkeypatch):
     memory, precision and all 8 gradients vs the float64 reference; a fifth of the
     decays sit below the memory floor (clamp gradient)."""
     import kdn_compile
-    from _helpers import kdn_inputs
     from kdn_compile.ops import kdn as kdn_ops
 
     launches = count_calls(monkeypatch, kdn_ops, ("two_key_fwd", "two_key_bwd"))
@@ -405,7 +373,6 @@ def test_diag_kdn_op_half_keys_and_values():
     memory kernels against the float64 reference, every output and gradient (bf16 on
     CUDA; fp16 in the interpreter, whose bf16 products are wrong)."""
     import kdn_compile
-    from _helpers import kdn_inputs
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     half = torch.bfloat16 if device == "cuda" else torch.float16
@@ -439,15 +406,8 @@ def test_chunk_kda_op_floors_gates_below_the_kernel_bound():
     from kdn_compile.reference import chunk_kda_reference
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    gen = torch.Generator().manual_seed(5)
     B, T, H, K = 1, 40, 1, 16
-    x = {
-        "q": F.normalize(torch.randn(B, T, H, K, generator=gen, dtype=torch.float64), dim=-1),
-        "k": F.normalize(torch.randn(B, T, H, K, generator=gen, dtype=torch.float64), dim=-1),
-        "v": torch.randn(B, T, H, K, generator=gen, dtype=torch.float64),
-        "g": -60.0 * torch.rand(B, T, H, K, generator=gen, dtype=torch.float64),
-        "beta": torch.rand(B, T, H, generator=gen, dtype=torch.float64),
-    }
+    x = delta_inputs(B, T, H, H, K, K, per_key=True, seed=5, gate_scale=60.0, with_state=False)
     o_ref, s_ref = chunk_kda_reference(**x, chunk_size=64)
     dev = {n: t.to(device, torch.float32).requires_grad_() for n, t in x.items()}
     with kdn_compile.use_backend("triton"):
@@ -457,15 +417,6 @@ def test_chunk_kda_op_floors_gates_below_the_kernel_bound():
     assert_close(o, o_ref.to(device), FP32_TOL, "o with deep gates")
     assert_close(s, s_ref.to(device), FP32_TOL, "state with deep gates")
     assert (dg[dev["g"] < LOG_DECAY_BOUND] == 0).all()
-
-
-def _kda_x(T, K, seed):
-    gen = torch.Generator().manual_seed(seed)
-    r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
-    return {"q": F.normalize(r(1, T, 1, K), dim=-1), "k": F.normalize(r(1, T, 1, K), dim=-1),
-            "v": r(1, T, 1, K), "g": -0.1 * torch.rand(1, T, 1, K, generator=gen,
-                                                         dtype=torch.float64),
-            "beta": torch.rand(1, T, 1, generator=gen, dtype=torch.float64)}
 
 
 @kernels
@@ -478,7 +429,8 @@ def test_chunk_kda_backward_at_the_bound_with_large_gradients():
     from kdn_compile.reference import chunk_kda_reference
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    x = _kda_x(16, 16, seed=21)
+    x = delta_inputs(1, 16, 1, 1, 16, 16, per_key=True, seed=21, gate_scale=0.1,
+                     with_state=False)
     x["v"] = 300 * x["v"]
     x["g"][:, 4:8] = LOG_DECAY_BOUND
     do = 300 * torch.randn(1, 16, 1, 16, generator=torch.Generator().manual_seed(22),
@@ -503,7 +455,8 @@ def test_chunk_kda_kernels_keep_a_nan_gate():
     import kdn_compile
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    x = {n: t.to(device, torch.float32) for n, t in _kda_x(20, 16, seed=23).items()}
+    x = delta_inputs(1, 20, 1, 1, 16, 16, per_key=True, seed=23, gate_scale=0.1,
+                     with_state=False, dtype=torch.float32, device=device)
     x["g"][0, 3, 0, :] = float("nan")
     with kdn_compile.use_backend("triton"):
         o, s = kdn_compile.chunk_kda(**x, chunk_size=64)
