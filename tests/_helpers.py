@@ -1,13 +1,14 @@
-"""Input factories, the error helper and the float64 token-loop oracles the tests share."""
+"""What the tests share: tier markers, the interpreter switch, the error helpers, launch
+recorders and the float64 token-loop oracles (the random inputs: ``_inputs.py``)."""
 
 from __future__ import annotations
 
 import contextlib
 import math
+import os
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 # Tier markers (registered in conftest.py): ``gpu`` runs on CUDA only; ``kernels`` runs the
 # Triton kernels on CUDA, or in Triton's interpreter without CUDA; ``slow``: full tier only.
@@ -19,6 +20,23 @@ def kernels(test):
     """Mark ``test`` as running our Triton kernels: on CUDA (a GPU tier test) or, without
     CUDA, in Triton's interpreter."""
     return pytest.mark.interpreter(pytest.mark.gpu(test))
+
+
+def interpreting() -> bool:
+    """Whether ``@triton.jit`` kernels run in Triton's interpreter (``TRITON_INTERPRET=1``,
+    which conftest.py sets where there is no CUDA)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def without_interpreter() -> dict:
+    """This process's environment less ``TRITON_INTERPRET``: for a child process whose
+    kernels must build for a real target (traced or compiled, not run)."""
+    return {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+
+
+# A test outside the GPU tiers that runs the kernels: on CUDA, or in the interpreter.
+needs_kernels = pytest.mark.skipif(not (torch.cuda.is_available() or interpreting()),
+                                   reason="needs CUDA or TRITON_INTERPRET=1")
 
 
 def rel_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -38,44 +56,6 @@ def assert_close(actual, expected, tol: float, what: str = "") -> None:
             f"{what}: relative error {err:.3e} > {tol:.1e}; worst at {idx}: "
             f"{actual[idx].item()} vs {expected[idx].item()}"
         )
-
-
-def delta_inputs(B=2, T=37, Hk=2, Hv=4, K=8, V=6, *, per_key=False, dtype=torch.float64,
-                 requires_grad=False, seed=0, with_state=True, state_v_first=False, N=None):
-    """Random GDN/KDA inputs: normalized q/k, gates in (-1, 0), beta in (0, 1)."""
-    gen = torch.Generator().manual_seed(seed)
-    r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
-    N = B if N is None else N
-    x = {
-        "q": F.normalize(r(B, T, Hk, K), dim=-1),
-        "k": F.normalize(r(B, T, Hk, K), dim=-1),
-        "v": r(B, T, Hv, V),
-        "g": -torch.rand(*((B, T, Hv, K) if per_key else (B, T, Hv)), generator=gen,
-                         dtype=torch.float64),
-        "beta": torch.rand(B, T, Hv, generator=gen, dtype=torch.float64),
-    }
-    if with_state:
-        x["initial_state"] = r(N, Hv, V, K) if state_v_first else r(N, Hv, K, V)
-    return {n: t.to(dtype).requires_grad_(requires_grad) for n, t in x.items()}
-
-
-def kdn_inputs(B=2, T=29, H=2, K=8, V=6, *, dtype=torch.float64, requires_grad=False, seed=0,
-               N=None):
-    """Random Diag-KDN inputs through the spec's own noise map and normalization."""
-    from kdn_compile.reference import kalman_noise, normalize_query_key
-
-    gen = torch.Generator().manual_seed(seed)
-    r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
-    N = B if N is None else N
-    q, k = normalize_query_key(r(B, T, H, K), r(B, T, H, K))
-    log_alpha, omega, rr, prior = kalman_noise(
-        r(B, T, H, K), r(B, T, H, K) - 2, r(B, T, H), 0.3 * r(H), 0.5 * r(H * K), r(H)
-    )
-    x = {
-        "q": q, "k": k, "v": r(B, T, H, V), "log_alpha": log_alpha, "omega": omega, "r": rr,
-        "memory": 0.5 * r(N, H, K, V), "precision": prior.abs()[None, :, None].expand(N, H, K) + 0.1 * torch.rand(N, H, K, generator=gen, dtype=torch.float64),
-    }
-    return {n: t.to(dtype).contiguous().requires_grad_(requires_grad) for n, t in x.items()}
 
 
 LAUNCHER_MODULES = ("chunk_gdn_fwd", "chunk_gdn_bwd", "chunk_gdn_wy", "two_key_fwd", "two_key_bwd",

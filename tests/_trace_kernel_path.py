@@ -28,7 +28,7 @@ from triton.backends.compiler import GPUTarget
 sys.path.insert(0, os.path.dirname(__file__))
 
 import kdn_compile  # noqa: E402
-from _helpers import delta_inputs, kdn_inputs  # noqa: E402
+from _inputs import delta_inputs, kdn_inputs  # noqa: E402
 from kdn_compile.ops import gdn as gdn_ops  # noqa: E402
 from kdn_compile.ops import gdn_wy as gdn_wy_ops  # noqa: E402
 from kdn_compile.ops import kda as kda_ops  # noqa: E402

@@ -27,6 +27,7 @@ if not CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
+from _helpers import interpreting  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Child processes started by tests import this checkout's kdn_compile (and the tests'
@@ -35,8 +36,9 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
     p for p in (ROOT, os.path.join(ROOT, "tests"), os.environ.get("PYTHONPATH")) if p)
 
 GROUPS = {
-    "kernels": ("test_gdn_kernels.py", "test_two_key_kernels.py", "test_kalman_gain_kernels.py",
-                "test_numerics_gpu.py", "test_qat_gpu.py", "test_decode_gpu.py"),
+    "kernels": ("test_gdn_kernels.py", "test_two_key_kernels.py", "test_two_key_ops.py",
+                "test_kalman_gain_kernels.py", "test_numerics_gpu.py", "test_qat_gpu.py",
+                "test_decode_gpu.py"),
     "capture": ("test_gpu_capture.py", "test_errors_gpu.py", "test_serving_layers_gpu.py",
                 "test_fla_calls.py", "test_docs_gpu.py"),
     "distributed": ("test_distributed_gpu.py",),
@@ -57,14 +59,14 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    interpreting = os.environ.get("TRITON_INTERPRET") == "1"
+    interpreted = interpreting()
     for item in items:
         if item.get_closest_marker("gpu") is None:
             continue
         group = _GROUP_OF.get(os.path.basename(str(item.fspath)))
         if group is not None:
             item.add_marker(getattr(pytest.mark, group))
-        if not CUDA and not (interpreting and item.get_closest_marker("interpreter")):
+        if not CUDA and not (interpreted and item.get_closest_marker("interpreter")):
             item.add_marker(pytest.mark.skip(reason="needs CUDA"))
 
 
@@ -118,7 +120,7 @@ def _restore_global_state():
 @pytest.fixture(autouse=True)
 def _kernel_bounds():
     """In the interpreter, fail a test whose kernels load or store outside their buffers."""
-    if os.environ.get("TRITON_INTERPRET") != "1":
+    if not interpreting():
         yield
         return
     try:

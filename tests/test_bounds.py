@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -11,6 +9,7 @@ triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 
 from _bounds import VIOLATIONS  # noqa: E402
+from _helpers import interpreting  # noqa: E402
 
 
 @triton.jit
@@ -19,7 +18,7 @@ def _shifted_copy(x, y, shift, N: tl.constexpr):
     tl.store(y + o, tl.load(x + o + shift, mask=o + shift < N + 2, other=0.0))
 
 
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="interpreter only")
+@pytest.mark.skipif(not interpreting(), reason="interpreter only")
 def test_out_of_buffer_load_is_reported():
     x, y = torch.arange(16.0), torch.zeros(16)
     before = len(VIOLATIONS)

@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 from _context_parallel import emulate_delta, emulate_kdn
 from _distributed import local_slice, spawn
-from _helpers import assert_close, delta_inputs, kdn_inputs
+from _helpers import assert_close
+from _inputs import delta_inputs, family_inputs, kdn_inputs
 
 import kdn_compile
 import kdn_compile.distributed as kd
@@ -180,15 +181,6 @@ def test_one_rank_equals_the_plain_function(one_rank_group):
 # -- gloo processes ------------------------------------------------------------------------
 
 
-def _inputs(family, packed, dtype=torch.float32):
-    n = len(PACKED) - 1 if packed else None
-    if family == "kdn":
-        return _slow(kdn_inputs(B=1 if packed else 2, T=T, N=n, dtype=dtype, requires_grad=True),
-                     "log_alpha")
-    return _slow(delta_inputs(B=1 if packed else 2, T=T, N=n, per_key=family == "kda",
-                              dtype=dtype, requires_grad=True), "g")
-
-
 def _call(module, family, x, packed, group=None):
     cu_seqlens = torch.tensor(PACKED) if packed else None
     extra = {} if group is None else {"group": group}
@@ -211,7 +203,9 @@ def _errors_against_one_device(rank, world, family, packed, compiled=None):
     """Relative errors of this rank's outputs, final states and gradients."""
     from _helpers import rel_error
 
-    x = _inputs(family, packed)
+    x = _slow(family_inputs(family, 1 if packed else 2, T, N=len(PACKED) - 1 if packed else None,
+                            dtype=torch.float32, requires_grad=True),
+              "log_alpha" if family == "kdn" else "g")
     expected = _call(kdn_compile, family, x, packed)
     weights = _weights(*expected)
     expected_grads = _grads(_loss(expected, weights, final_scale=world), x)

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 import kdn_compile
-from _helpers import assert_close, delta_inputs, kdn_inputs
+from _helpers import assert_close
+from _inputs import delta_inputs, kdn_inputs
 from kdn_compile import debug
 from kdn_compile import reference as ref
 

@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 
 import kdn_compile
-from _helpers import assert_close, delta_inputs, kdn_inputs
+from _helpers import assert_close
+from _inputs import delta_inputs, kdn_inputs
 from kdn_compile import reference as ref
 from kdn_compile.reference.fp8 import dequantize_state_fp8, quantize_state_fp8
 from kdn_compile.reference.pools import diag_kdn_decode_reference

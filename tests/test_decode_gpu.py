@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import kdn_compile
 from _helpers import assert_close, slow
+from _inputs import delta_inputs, kdn_inputs
 from kdn_compile import reference as ref
 from kdn_compile.reference.fp8 import dequantize_state_fp8, quantize_state_fp8
 from kdn_compile.reference.pools import diag_kdn_decode_reference
@@ -17,19 +17,8 @@ pytestmark = pytest.mark.gpu
 
 FP8 = torch.float8_e4m3fn
 POISON = float("nan")
-
-
-def _inputs(B, T, Hk, Hv, K, V, per_key, dtype, seed):
-    gen = torch.Generator().manual_seed(seed)
-    r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
-    x = {
-        "q": F.normalize(r(B, T, Hk, K), dim=-1), "k": F.normalize(r(B, T, Hk, K), dim=-1),
-        "v": r(B, T, Hv, V),
-        "g": -torch.rand(*((B, T, Hv, K) if per_key else (B, T, Hv)), generator=gen,
-                         dtype=torch.float64) * 2,
-        "beta": torch.rand(B, T, Hv, generator=gen, dtype=torch.float64),
-    }
-    return {n: t.to(dtype).cuda() for n, t in x.items()}
+# the inputs of a decode step (``delta_inputs``): gates in (-2, 0], the states in a pool
+STEP = dict(gate_scale=2.0, with_state=False, device="cuda")
 
 
 def _start_pool(S, Hv, K, V, pool_dtype, seed, state_v_first):
@@ -54,7 +43,7 @@ def _start_pool(S, Hv, K, V, pool_dtype, seed, state_v_first):
 def test_decode_against_float64(T, pool_dtype, per_key):
     B, Hk, Hv, K, V, S = 6, 2, 4, 128, 128, 11
     state_v_first = T % 2 == 0
-    x = _inputs(B, T, Hk, Hv, K, V, per_key, torch.bfloat16, seed=T)
+    x = delta_inputs(B, T, Hk, Hv, K, V, per_key=per_key, dtype=torch.bfloat16, seed=T, **STEP)
     pool, scales, start = _start_pool(S, Hv, K, V, pool_dtype, T, state_v_first)
     idx = torch.tensor([7, -1, 0, 3, -1, 10], device="cuda", dtype=torch.int32)
     shape = (B, T, Hv, V, K) if state_v_first else (B, T, Hv, K, V)
@@ -85,7 +74,7 @@ def test_decode_against_float64(T, pool_dtype, per_key):
 @pytest.mark.parametrize("per_key", [False, True], ids=["gdn", "kda"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 def test_recurrent_kernel_at_length_against_float64(per_key, dtype):
-    x = _inputs(1, 300, 2, 4, 128, 64, per_key, dtype, seed=11)
+    x = delta_inputs(1, 300, 2, 4, 128, 64, per_key=per_key, dtype=dtype, seed=11, **STEP)
     h0 = torch.randn(3, 4, 128, 64, device="cuda")
     cu = torch.tensor([0, 100, 101, 300], device="cuda")
     o, s = kdn_compile.recurrent_delta_rule(*x.values(), initial_state=h0, cu_seqlens=cu)
@@ -98,7 +87,7 @@ def test_recurrent_kernel_at_length_against_float64(per_key, dtype):
 def test_float8_store_bit_exact_on_the_gpu():
     from kdn_compile.lowering.recurrent import recurrent_delta_fwd
 
-    x = _inputs(8, 1, 2, 4, 128, 128, False, torch.bfloat16, seed=5)
+    x = delta_inputs(8, 1, 2, 4, 128, 128, dtype=torch.bfloat16, seed=5, **STEP)
     state = torch.randn(8, 4, 128, 128, device="cuda") * torch.logspace(-12, 3, 128, device="cuda")
     # a tile of nonzero float32 subnormals: scale 1 (amax * (1 / 448) is below 2^-126)
     tiny = torch.randn(128, 64, dtype=torch.float64) * 1e-43
@@ -127,8 +116,6 @@ def test_a_slot_decayed_to_nothing_is_written_as_a_fresh_slot(backend, pool_dtyp
 
 @pytest.mark.parametrize("T", [1, 4])
 def test_diag_kdn_decode_against_float64(T):
-    from _helpers import kdn_inputs
-
     x = kdn_inputs(B=5, T=T, H=4, K=128, V=128, dtype=torch.float64, seed=T)
     seq = [x[n].to(torch.bfloat16).cuda() for n in ("q", "k", "v")]
     seq += [x[n].float().cuda() for n in ("log_alpha", "omega", "r")]
@@ -146,7 +133,7 @@ def test_diag_kdn_decode_against_float64(T):
 
 def test_decode_replays_in_a_cuda_graph():
     """torch.compile(mode="reduce-overhead") replays decode steps equal to eager."""
-    x = _inputs(4, 1, 2, 4, 128, 128, True, torch.bfloat16, seed=3)
+    x = delta_inputs(4, 1, 2, 4, 128, 128, per_key=True, dtype=torch.bfloat16, seed=3, **STEP)
     pool_e = torch.randn(6, 4, 128, 128, device="cuda")
     pool_c = pool_e.clone()
     torch._dynamo.mark_static_address(pool_c)
@@ -157,7 +144,8 @@ def test_decode_replays_in_a_cuda_graph():
 
     compiled = torch.compile(step, fullgraph=True, mode="reduce-overhead")
     for i in range(20):
-        y = _inputs(4, 1, 2, 4, 128, 128, True, torch.bfloat16, seed=100 + i)
+        y = delta_inputs(4, 1, 2, 4, 128, 128, per_key=True, dtype=torch.bfloat16, seed=100 + i,
+                         **STEP)
         o_e = step(*y.values(), pool_e, idx)
         o_c = compiled(*y.values(), pool_c, idx).clone()
         assert_close(o_c, o_e, 1e-6, f"step {i}")

@@ -20,7 +20,8 @@ import pytest
 import torch
 import torch.distributed as dist
 from _context_parallel import emulate_delta, emulate_kdn
-from _helpers import assert_close, delta_inputs, kdn_inputs
+from _helpers import assert_close
+from _inputs import family_inputs
 
 import kdn_compile
 import kdn_compile.distributed as kd
@@ -40,13 +41,10 @@ TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 3e-2}
 ONE_RANK = {torch.float32: 1e-6, torch.bfloat16: 1e-3}
 
 
-def _inputs(family, packed, dtype):
+def _slow_inputs(family, packed, dtype):
+    """CUDA leaves of ``family_inputs`` at T = 512, K = V = 64, their decays slowed."""
     b, n = (1, len(PACKED) - 1) if packed else (2, None)
-    if family == "kdn":
-        x = kdn_inputs(B=b, T=512, H=2, K=64, V=64, N=n, dtype=dtype)
-    else:
-        x = delta_inputs(B=b, T=512, Hk=2, Hv=4, K=64, V=64, N=n, per_key=family == "kda",
-                         dtype=dtype)
+    x = family_inputs(family, b, 512, K=64, V=64, N=n, dtype=dtype)
     # decays slow enough (about e^-2.5 over 256 tokens) that each rank's state still
     # weighs on the next ranks' outputs
     gate = "log_alpha" if family == "kdn" else "g"
@@ -90,7 +88,7 @@ def one_rank_group():
                          ids=["fixed", "packed"])
 @pytest.mark.parametrize("family", ["gdn", "kda", "kdn"])
 def test_one_rank_equals_the_plain_function(one_rank_group, family, packed, dtype):
-    x = _inputs(family, packed, dtype)
+    x = _slow_inputs(family, packed, dtype)
     expected = _call(kdn_compile, family, x, packed)
     found = _call(kd, family, x, packed, group=one_rank_group)
     for i, (a, b) in enumerate(zip(found, expected)):
@@ -102,7 +100,7 @@ def test_one_rank_equals_the_plain_function(one_rank_group, family, packed, dtyp
 
 @pytest.mark.parametrize("family", ["gdn", "kdn"])
 def test_one_rank_compiles_fullgraph(one_rank_group, family):
-    x = _inputs(family, True, torch.float32)
+    x = _slow_inputs(family, True, torch.float32)
     expected = _grads(_call(kd, family, x, True, group=one_rank_group), x)
     torch._dynamo.reset()
     step = torch.compile(lambda leaves: _call(kd, family, leaves, True, group=one_rank_group),
@@ -118,7 +116,7 @@ def test_one_rank_compiles_fullgraph(one_rank_group, family):
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("family", ["gdn", "kda", "kdn"])
 def test_ranks_on_the_kernels_equal_one_call(family, world, packed, dtype):
-    x = _inputs(family, packed, dtype)
+    x = _slow_inputs(family, packed, dtype)
     cu = torch.tensor(PACKED, device="cuda") if packed else None
     expected = _call(kdn_compile, family, x, packed)
     if family == "kdn":
@@ -168,7 +166,7 @@ def test_kernel_ops_on_head_sharded_dtensors(one_rank_group, family, dtype):
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cuda", (1,))
-    x = _inputs(family, False, dtype)
+    x = _slow_inputs(family, False, dtype)
     expected = _call(kdn_compile, family, x, False)
     d = _head_sharded(x, mesh)
     found = _call(kdn_compile, family, d, False)

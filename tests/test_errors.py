@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import kdn_compile
-from _helpers import delta_inputs, kdn_inputs
+from _inputs import delta_inputs, kdn_inputs
 from kdn_compile import chunk_gdn, chunk_kda, delta_rule_decode, diag_kdn, diag_kdn_decode, fla
 from kdn_compile import recurrent_delta_rule, state_fp8_qdq
 from kdn_compile.layers import DiagKDN, GatedDeltaNet, KimiDeltaAttention

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import kdn_compile
-from _helpers import delta_inputs, kdn_inputs
+from _inputs import delta_inputs, kdn_inputs
 from kdn_compile.layers import GatedDeltaNet, KimiDeltaAttention
 
 pytestmark = pytest.mark.gpu

@@ -10,6 +10,7 @@ import torch
 
 from kdn_compile import fla
 from tests._helpers import assert_close, delta_rule_oracle
+from tests._inputs import delta_inputs
 
 B, T, H, HV, K, V = 2, 19, 2, 4, 8, 6
 
@@ -56,18 +57,11 @@ def oracle(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens=None,
 
 
 def inputs(*, per_key, b=B, t=T, seed=0, dtype=torch.float64, raw=False):
-    """Unnormalized q/k, beta logits and raw gate inputs when ``raw``; else normalized
-    q/k, beta in (0, 1) and log decays in (-1, 0)."""
-    gen = torch.Generator().manual_seed(seed)
-    r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
-    u = lambda *s: torch.rand(*s, generator=gen, dtype=torch.float64)  # noqa: E731
-    gshape = (b, t, HV, K) if per_key else (b, t, HV)
-    x = {"q": r(b, t, H, K), "k": r(b, t, H, K), "v": r(b, t, HV, V)}
-    if raw:
-        x.update(g=r(*gshape), beta=r(b, t, HV))
-    else:
-        x.update(q=_l2(x["q"]), k=_l2(x["k"]), g=-u(*gshape), beta=u(b, t, HV))
-    return {n: a.to(dtype) for n, a in x.items()}
+    """``delta_inputs`` at this file's head sizes, no initial state: unnormalized q/k, beta
+    logits and raw gate inputs when ``raw``; else unit q/k, beta in [0, 1) and log decays
+    in (-1, 0]."""
+    return delta_inputs(b, t, H, HV, K, V, per_key=per_key, seed=seed, dtype=dtype, raw=raw,
+                        with_state=False)
 
 
 def head_params(per_key, seed=1):
@@ -483,15 +477,10 @@ def test_cuda_kernels_match_the_token_loop_and_fla(fn):
     """Head size 64 (the kernels' path), packed sequences and initial states, float32 on
     CUDA, against the float64 loop; and against FLA's own function where FLA is installed."""
     per_key = fn in PER_KEY
-    gen = torch.Generator().manual_seed(5)
-    r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
     t, h, hv, d = 150, 2, 4, 64
     cu = torch.tensor([0, 40, 41, 150])
-    x = {"q": _l2(r(1, t, h, d)), "k": _l2(r(1, t, h, d)), "v": r(1, t, hv, d),
-         "g": -torch.rand(*((1, t, hv, d) if per_key else (1, t, hv)), generator=gen,
-                          dtype=torch.float64) * 0.2,
-         "beta": torch.rand(1, t, hv, generator=gen, dtype=torch.float64)}
-    h0 = r(3, hv, d, d)
+    x = delta_inputs(1, t, h, hv, d, d, per_key=per_key, seed=5, gate_scale=0.2, N=3)
+    h0 = x.pop("initial_state")
     expected = oracle(**x, initial_state=h0, cu_seqlens=cu)
     cuda = {n: a.float().cuda() for n, a in x.items()}
     call = dict(initial_state=h0.float().cuda(), output_final_state=True,

@@ -10,49 +10,30 @@ gates near zero and strongly negative, lengths up to 32768.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-import torch.nn.functional as F
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from kdn_compile.lowering.chunk_gdn_bwd import chunk_gdn_bwd  # noqa: E402
-from kdn_compile.lowering.chunk_gdn_fwd import (  # noqa: E402
+from kdn_compile.lowering.chunk_gdn_bwd import chunk_gdn_bwd
+from kdn_compile.lowering.chunk_gdn_fwd import (
     chunk_gdn_fwd, gdn_kernel_supports, qdq_tile_width,
 )
-from kdn_compile.reference import chunk_gdn_reference  # noqa: E402
-from tests._helpers import (  # noqa: E402
+from kdn_compile.reference import chunk_gdn_reference
+from tests._helpers import (
     assert_close, count_calls, gpu, kernels, poisoned as _poisoned, slow,
 )
+from tests._inputs import delta_inputs
 
 CUDA = torch.cuda.is_available()
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 GRADS = ("q", "k", "v", "g", "beta", "initial_state")
-
-
-def _inputs(B, T, Hk, Hv, K, V, *, N, dtype, device, seed, gate_scale=1.0, with_state=True,
-            state_v_first=False):
-    gen = torch.Generator().manual_seed(seed)
-    r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
-    x = {
-        "q": F.normalize(r(B, T, Hk, K), dim=-1),
-        "k": F.normalize(r(B, T, Hk, K), dim=-1),
-        "v": r(B, T, Hv, V),
-        "g": -gate_scale * torch.rand(B, T, Hv, generator=gen, dtype=torch.float64),
-        "beta": torch.rand(B, T, Hv, generator=gen, dtype=torch.float64),
-        "initial_state": (r(N, Hv, V, K) if state_v_first else r(N, Hv, K, V)) if with_state else None,
-    }
-    return {n: (t.to(device=device, dtype=dtype) if t is not None else None) for n, t in x.items()}
 
 
 def _check(x, cu_seqlens, *, state_v_first, tol, with_dht=True, seed=1, qdq=None,
            state_tol=None):
-    """Kernels vs float64 reference: o, final state (within ``state_tol``, default ``tol``)
-    and every gradient; ``qdq``: the ``state_qdq_block_v`` of FP8 state quantization (None:
-    none). Returns the final state."""
+    """Kernels vs float64 reference on ``x`` (``delta_inputs``; no initial state where it has
+    none): o, final state (within ``state_tol``, default ``tol``) and every gradient;
+    ``qdq``: the ``state_qdq_block_v`` of FP8 state quantization (None: none). Returns the
+    final state."""
+    x = dict(x, initial_state=x.get("initial_state"))
     scale = x["q"].shape[-1] ** -0.5
     options = dict(chunk_size=64, scale=scale, state_v_first=state_v_first,
                    state_qdq=qdq is not None, state_qdq_block_v=qdq or 64)
@@ -119,7 +100,7 @@ def test_kernels_match_reference(B, T, Hk, Hv, K, V, cu, with_state, state_v_fir
     device = "cuda" if CUDA else "cpu"
     cu_seqlens = None if cu is None else torch.tensor(cu, dtype=torch.int32, device=device)
     N = B if cu is None else len(cu) - 1
-    x = _inputs(B, T, Hk, Hv, K, V, N=N, dtype=torch.float32, device=device, seed=T + Hv,
+    x = delta_inputs(B, T, Hk, Hv, K, V, N=N, dtype=torch.float32, device=device, seed=T + Hv,
                 with_state=with_state, state_v_first=state_v_first)
     _check(x, cu_seqlens, state_v_first=state_v_first, tol=1e-4, with_dht=with_state)
 
@@ -130,7 +111,7 @@ def test_kernels_match_reference_fp16():
     wrong (Triton 3.9 on torch 2.13 CPU), so bf16 is checked on the GPU only."""
     device = "cuda" if CUDA else "cpu"
     cu_seqlens = torch.tensor([0, 30, 100], dtype=torch.int32, device=device)
-    x = _inputs(1, 100, 1, 2, 64, 64, N=2, dtype=torch.float16, device=device, seed=7)
+    x = delta_inputs(1, 100, 1, 2, 64, 64, N=2, dtype=torch.float16, device=device, seed=7)
     _check(x, cu_seqlens, state_v_first=False, tol=1e-2)
 
 
@@ -148,7 +129,7 @@ def test_grad_kernel_key_tiles(monkeypatch, cu, qdq):
     device = "cuda" if CUDA else "cpu"
     cu_seqlens = None if cu is None else torch.tensor(cu, dtype=torch.int32, device=device)
     N = 1 if cu is None else len(cu) - 1
-    x = _inputs(1, 100, 1, 2, 32, 32, N=N, dtype=torch.float32, device=device, seed=5)
+    x = delta_inputs(1, 100, 1, 2, 32, 32, N=N, dtype=torch.float32, device=device, seed=5)
     _check(x, cu_seqlens, state_v_first=False, tol=1e-4, qdq=qdq)
 
 
@@ -174,7 +155,7 @@ def test_state_qdq_kernels_match_reference(B, T, Hk, Hv, K, V, cu, with_state, s
     device = "cuda" if CUDA else "cpu"
     cu_seqlens = None if cu is None else torch.tensor(cu, dtype=torch.int32, device=device)
     N = B if cu is None else len(cu) - 1
-    x = _inputs(B, T, Hk, Hv, K, V, N=N, dtype=torch.float32, device=device, seed=T + Hv,
+    x = delta_inputs(B, T, Hk, Hv, K, V, N=N, dtype=torch.float32, device=device, seed=T + Hv,
                 with_state=with_state, state_v_first=state_v_first)
     ht = _check(x, cu_seqlens, state_v_first=state_v_first, tol=1e-4, with_dht=with_state,
                 qdq=block_v)
@@ -182,7 +163,7 @@ def test_state_qdq_kernels_match_reference(B, T, Hk, Hv, K, V, cu, with_state, s
     key_first = ht.transpose(-1, -2) if state_v_first else ht
     assert_close(state_fp8_qdq_reference(key_first, block_v), key_first, 1e-6, "on the grid")
     plain = chunk_gdn_reference(*(x[n].double() for n in ("q", "k", "v", "g", "beta")),
-                                initial_state=x["initial_state"], cu_seqlens=cu_seqlens,
+                                initial_state=x.get("initial_state"), cu_seqlens=cu_seqlens,
                                 state_v_first=state_v_first)[1]
     assert rel_error(ht, plain) > 1e-3
 
@@ -195,7 +176,7 @@ def test_state_qdq_backward_recomputes_the_same_states():
 
     device = "cuda" if CUDA else "cpu"
     for B, T, K, V, block_v in ((1, 70, 16, 32, 16), (2, 130, 32, 64, 64)):
-        x = _inputs(B, T, 1, 2, K, V, N=B, dtype=torch.float32, device=device, seed=4)
+        x = delta_inputs(B, T, 1, 2, K, V, N=B, dtype=torch.float32, device=device, seed=4)
         args = [x[n] for n in ("q", "k", "v", "g", "beta", "initial_state")] + [None]
         o, ht, gc, ai, aqk, hs, scales = chunk_gdn_fwd(
             *args, chunk_size=64, scale=0.25, state_v_first=False, state_qdq=True,
@@ -210,17 +191,17 @@ def test_state_qdq_backward_recomputes_the_same_states():
 
 
 def test_supports():
-    x = _inputs(1, 8, 1, 2, 64, 128, N=1, dtype=torch.bfloat16, device="cpu", seed=0)
+    x = delta_inputs(1, 8, 1, 2, 64, 128, N=1, dtype=torch.bfloat16, device="cpu", seed=0)
     args = [x[n] for n in ("q", "k", "v", "g", "beta", "initial_state")] + [None]
     assert gdn_kernel_supports(*args, 64)
     assert not gdn_kernel_supports(*args, 32)
     # every power of two in [16, 256], each dtype (checked on the H200: diagnose_gdn.py)
     for dtype in (torch.float16, torch.bfloat16, torch.float32):
         for dims in ((16, 16), (32, 16), (256, 256), (128, 256), (16, 256)):
-            h = _inputs(1, 8, 1, 1, *dims, N=1, dtype=dtype, device="cpu", seed=0)
+            h = delta_inputs(1, 8, 1, 1, *dims, N=1, dtype=dtype, device="cpu", seed=0)
             assert gdn_kernel_supports(*[h[n] for n in GRADS], None, 64), (dtype, dims)
     for dims in ((512, 64), (64, 8)):
-        h = _inputs(1, 8, 1, 1, *dims, N=1, dtype=torch.bfloat16, device="cpu", seed=0)
+        h = delta_inputs(1, 8, 1, 1, *dims, N=1, dtype=torch.bfloat16, device="cpu", seed=0)
         assert not gdn_kernel_supports(*[h[n] for n in GRADS], None, 64), dims
     # FP8 state QDQ: one program per [K, block_v] scale tile of a power of two of columns
     assert gdn_kernel_supports(*args, 64, state_qdq=True, state_qdq_block_v=256)  # V = 128
@@ -230,9 +211,9 @@ def test_supports():
     assert qdq_tile_width(128, 128, 64, torch.float32) is None  # 32 KiB of float32
     assert qdq_tile_width(256, 256, 32, torch.bfloat16) == 32
     assert qdq_tile_width(256, 256, 64, torch.bfloat16) is None
-    y = _inputs(1, 8, 1, 1, 24, 32, N=1, dtype=torch.float32, device="cpu", seed=0)
+    y = delta_inputs(1, 8, 1, 1, 24, 32, N=1, dtype=torch.float32, device="cpu", seed=0)
     assert not gdn_kernel_supports(*[y[n] for n in GRADS], None, 64)
-    z = _inputs(1, 8, 1, 1, 16, 16, N=1, dtype=torch.float64, device="cpu", seed=0)
+    z = delta_inputs(1, 8, 1, 1, 16, 16, N=1, dtype=torch.float64, device="cpu", seed=0)
     assert not gdn_kernel_supports(*[z[n] for n in GRADS], None, 64)
 
 
@@ -270,7 +251,7 @@ def test_kernels_gpu(dtype, tol, B, T, Hk, Hv, K, V, cu, gate_scale, seed):
     torch.backends.cuda.matmul.allow_tf32 = False
     cu_seqlens = None if cu is None else torch.tensor(cu, dtype=torch.int32, device="cuda")
     N = B if cu is None else len(cu) - 1
-    x = _inputs(B, T, Hk, Hv, K, V, N=N, dtype=dtype, device="cuda", seed=seed,
+    x = delta_inputs(B, T, Hk, Hv, K, V, N=N, dtype=dtype, device="cuda", seed=seed,
                 gate_scale=gate_scale, state_v_first=K == 64)
     _check(x, cu_seqlens, state_v_first=K == 64, tol=tol, seed=seed + 1)
 
@@ -284,7 +265,7 @@ def test_op_kernel_path_autograd():
     import kdn_compile.lowering.chunk_gdn_bwd as bwd_module
 
     device = "cuda" if CUDA else "cpu"
-    x = _inputs(1, 70, 1, 2, 16, 16, N=1, dtype=torch.float32, device=device, seed=3)
+    x = delta_inputs(1, 70, 1, 2, 16, 16, N=1, dtype=torch.float32, device=device, seed=3)
     leaves = {n: t.clone().requires_grad_() for n, t in x.items()}
     with pytest.MonkeyPatch.context() as patch, kdn_compile.use_backend("triton"):
         calls = count_calls(patch, gdn_ops, ("chunk_gdn_fwd", "chunk_gdn_bwd"))

@@ -14,34 +14,19 @@ import os
 
 import pytest
 import torch
-import torch.nn.functional as F
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from kdn_compile.lowering.kalman_gain import (  # noqa: E402
+from kdn_compile.lowering.kalman_gain import (
     kalman_gain_bwd,
     kalman_gain_fwd,
     kalman_gain_kernel_supports,
 )
-from kdn_compile.reference import diag_kdn_recurrent, kalman_gain  # noqa: E402
+from kdn_compile.reference import diag_kdn_recurrent, kalman_gain
 
-from _helpers import assert_close, gpu, kernels  # noqa: E402
+from _helpers import assert_close, gpu, kernels, without_interpreter
+from _inputs import gain_inputs, kdn_inputs
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 INFO_SCALE = 0.7
-
-
-def gain_inputs(B, T, H, K, *, N=None, seed=0, log_alpha_min=-3.0, r_min=0.01):
-    """float64 ``(k, log_alpha, omega, r, precision)``; k unit-norm, gates in (log_alpha_min, 0)."""
-    gen = torch.Generator().manual_seed(seed)
-    rand = lambda *s: torch.rand(*s, generator=gen, dtype=torch.float64)  # noqa: E731
-    k = F.normalize(torch.randn(B, T, H, K, generator=gen, dtype=torch.float64), dim=-1)
-    log_alpha = log_alpha_min * rand(B, T, H, K)
-    omega = 2.0 * rand(B, T, H, K)
-    r = r_min + rand(B, T, H)
-    precision = 0.1 + 2.0 * rand(N or B, H, K)
-    return k, log_alpha, omega, r, precision
 
 
 def reference(x, cu_seqlens, dgain, dprecision):
@@ -218,7 +203,7 @@ def test_cuda_varlen_k128():
 def test_diag_kdn_op_kernel_path_matches_reference(varlen, monkeypatch):
     """Eager ``kdn::diag_kdn`` (gain kernels + memory math) and all 8 gradients vs float64."""
     import kdn_compile
-    from _helpers import count_calls, kdn_inputs
+    from _helpers import count_calls
     from kdn_compile.ops import kdn as kdn_ops
 
     launches = count_calls(monkeypatch, kdn_ops, ("kalman_gain_fwd", "kalman_gain_bwd"))
@@ -249,7 +234,6 @@ def test_diag_kdn_op_kernel_path_empty_sequence():
     """T = 0 with the memory through its reference math (a chunk size the memory kernels do
     not take): the states pass through, their gradients are one."""
     import kdn_compile
-    from _helpers import kdn_inputs
 
     x = {n: t.detach().to(DEVICE, torch.float32).requires_grad_()
          for n, t in kdn_inputs(B=1, T=0, H=1, K=16, V=8).items()}
@@ -291,9 +275,8 @@ def test_launchers_trace_symbolically_without_host_reads():
     import subprocess
     import sys
 
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", _TRACE_SCRIPT], env=env, capture_output=True,
-                          text=True, timeout=300)
+    done = subprocess.run([sys.executable, "-c", _TRACE_SCRIPT], env=without_interpreter(),
+                          capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-3000:]
 
 
@@ -307,8 +290,7 @@ def test_diag_kdn_kernel_path_compiles_fullgraph():
     import subprocess
     import sys
 
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "tests/_trace_kernel_path.py", "gain"], env=env,
-                          capture_output=True, text=True, timeout=300,
+    done = subprocess.run([sys.executable, "tests/_trace_kernel_path.py", "gain"],
+                          env=without_interpreter(), capture_output=True, text=True, timeout=300,
                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert done.returncode == 0 and "counts [3, 3]" in done.stdout, done.stderr[-3000:]

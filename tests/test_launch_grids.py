@@ -8,16 +8,14 @@ replaced by a recorder (no kernel runs), for 2100 packed sequences x 32 value he
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-import torch.nn.functional as F
 
 import kdn_compile
-from _helpers import launch_recorder, launcher_modules
+from _helpers import interpreting, launch_recorder, launcher_modules
+from _inputs import delta_inputs
 
-pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+pytestmark = pytest.mark.skipif(not interpreting(),
                                 reason="the kernel path on CPU needs TRITON_INTERPRET=1")
 
 N, HV, K = 2100, 32, 16
@@ -35,13 +33,9 @@ def grids(monkeypatch):
 
 
 def _delta_inputs(per_key):
-    gen = torch.Generator().manual_seed(0)
-    q, k = (F.normalize(torch.randn(1, N, 2, K, generator=gen), dim=-1).requires_grad_()
-            for _ in "qk")
-    v = torch.randn(1, N, HV, K, generator=gen).requires_grad_()
-    g = (-torch.rand(1, N, HV, *((K,) if per_key else ()), generator=gen)).requires_grad_()
-    beta = torch.rand(1, N, HV, generator=gen).requires_grad_()
-    return q, k, v, g, beta
+    """``q, k, v, g, beta`` of N packed one-token sequences over HV value heads."""
+    return delta_inputs(1, N, 2, HV, K, K, per_key=per_key, dtype=torch.float32,
+                        requires_grad=True, with_state=False).values()
 
 
 def _check(grids, families):

@@ -8,18 +8,15 @@ fast-decaying channels; Diag-KDN's chunked reference with a tiny observation noi
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
 
-from _helpers import assert_close, delta_inputs, kdn_inputs
+from _helpers import assert_close, needs_kernels
+from _inputs import delta_inputs, kdn_inputs
 from kdn_compile import reference as ref
 
 CUDA = torch.cuda.is_available()
-needs_kernels = pytest.mark.skipif(
-    not (CUDA or os.environ.get("TRITON_INTERPRET") == "1"), reason="needs CUDA or TRITON_INTERPRET=1"
-)
 GRADS = ("q", "k", "v", "g", "beta", "initial_state")
 
 GATE = 127.5  # just above the floor: such gates are used as they are

@@ -142,7 +142,7 @@ def test_diag_kdn_kernels_extreme_noise_against_float64():
     """B=2, T=512, H=4, K=V=128, float32, the gain and memory kernels: a tiny ``r`` on one
     head, subnormal ``r`` at a few tokens, a huge ``omega`` with a tiny ``r`` on another; the
     outputs, and every gradient of a loss on ``o``, within 1e-4 of the float64 token loop."""
-    from _helpers import kdn_inputs
+    from _inputs import kdn_inputs
 
     torch.backends.cuda.matmul.allow_tf32 = False
     x = kdn_inputs(B=2, T=512, H=4, K=128, V=128)
@@ -201,7 +201,7 @@ def test_debug_mode_device_assert(mode):
 def test_kernels_under_autocast_compute_as_outside(name):
     """autocast(cuda, bfloat16) leaves the kernel ops alone: bfloat16 q, k, v with float32
     gates give the outputs and gradients (and dtypes) of outside it, eager and compiled."""
-    from _helpers import delta_inputs, kdn_inputs
+    from _inputs import delta_inputs, kdn_inputs
 
     if name == "diag_kdn":
         x = kdn_inputs(B=1, T=130, H=2, K=64, V=64)

@@ -14,13 +14,10 @@ import pytest
 import torch
 
 import kdn_compile
-from _helpers import kernels
+from _helpers import kernels, needs_kernels, without_interpreter
 from kdn_compile.quantization import fp8_row_qdq
 from kdn_compile.reference.fp8 import e4m3_scale, quantize_state_fp8, state_fp8_qdq_reference
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-needs_kernels = pytest.mark.skipif(not (torch.cuda.is_available() or INTERPRET),
-                                   reason="needs CUDA or TRITON_INTERPRET=1")
 
 
 def fp8_states(shape, block_v, dtype, device="cpu", seed=0) -> torch.Tensor:
@@ -171,7 +168,8 @@ def test_state_qdq_through_a_state_decayed_below_every_scale(backend, monkeypatc
     gates summing to -100: the chunk state at its end is ``e^-100`` of the one before
     (float32 subnormals), which quantizes to zeros. Outputs, final state and gradients are
     finite and within half an E4M3 step (``2^-4``, relative) of the run without QDQ."""
-    from _helpers import assert_close, count_calls, delta_inputs
+    from _helpers import assert_close, count_calls
+    from _inputs import delta_inputs
     from kdn_compile.ops import gdn
 
     device = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
@@ -228,9 +226,9 @@ def test_qat_kernel_paths_trace_as_on_the_gpu(which, expected):
     import subprocess
     import sys
 
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    done = subprocess.run([sys.executable, "tests/_trace_kernel_path.py", which], env=env,
+    done = subprocess.run([sys.executable, "tests/_trace_kernel_path.py", which],
+                          env=without_interpreter(),
                           capture_output=True, text=True, timeout=600, cwd=root)
     assert done.returncode == 0 and expected in done.stdout, done.stdout + done.stderr[-3000:]
 
@@ -257,7 +255,8 @@ def _grads(outputs, leaves, cotangents):
 def test_wy_kernels_match_reference(B, T, Hk, Hv, K, V, cu, state_v_first, block_v):
     """Both halves against their float64 references, values and every gradient: the
     operands ``W``, ``U``, and the recurrence from random ``W``, ``U`` (FP8 state QDQ too)."""
-    from _helpers import assert_close, delta_inputs, poisoned
+    from _helpers import assert_close, poisoned
+    from _inputs import delta_inputs
     from kdn_compile.lowering import chunk_gdn_wy as wy
     from kdn_compile.reference import gdn_wy_operands_reference, gdn_wy_recurrence_reference
 
@@ -314,7 +313,8 @@ def test_w_quantizer_runs_on_the_kernels_and_matches_reference(monkeypatch):
     """``chunk_gdn(..., w_quantizer=fp8_row_qdq)`` with the kernel ops (backend "triton"):
     both halves launch their kernels forward and backward, and values and gradients match
     ``chunk_gdn_reference`` with the same callable (float64)."""
-    from _helpers import assert_close, count_calls, delta_inputs, rel_error
+    from _helpers import assert_close, count_calls, rel_error
+    from _inputs import delta_inputs
     from kdn_compile.ops import gdn_wy
     from kdn_compile.reference import chunk_gdn_reference
 

@@ -16,11 +16,12 @@ import pytest
 import torch
 
 import kdn_compile
-from _helpers import assert_close, delta_inputs
+from _helpers import assert_close
+from _inputs import delta_inputs
 from kdn_compile.quantization import fp8_row_qdq
 from kdn_compile.reference import chunk_gdn_reference, state_fp8_qdq_reference
 from kdn_compile.reference.fp8 import quantize_state_fp8
-from test_gdn_kernels import _check, _inputs
+from test_gdn_kernels import _check
 from test_qat import fp8_states, same_bits
 
 pytestmark = pytest.mark.gpu
@@ -66,8 +67,8 @@ def test_state_qdq_kernels_match_float64_reference(dtype, tol, state_tol, B, T, 
     torch.backends.cuda.matmul.allow_tf32 = False
     cu_seqlens = None if cu is None else torch.tensor(cu, dtype=torch.int32, device="cuda")
     vfirst = cu is not None
-    x = _inputs(B, T, Hk, Hv, K, V, N=B if cu is None else len(cu) - 1, dtype=dtype,
-                device="cuda", seed=seed, state_v_first=vfirst)
+    x = delta_inputs(B, T, Hk, Hv, K, V, N=B if cu is None else len(cu) - 1, dtype=dtype,
+                     device="cuda", seed=seed, state_v_first=vfirst)
     ht = _check(x, cu_seqlens, state_v_first=vfirst, tol=tol, state_tol=state_tol, seed=seed + 1,
                 qdq=block_v)
     key_first = ht.transpose(-1, -2) if vfirst else ht

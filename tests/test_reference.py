@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from _helpers import assert_close, delta_inputs, kdn_inputs
+from _helpers import assert_close
+from _inputs import delta_inputs, kdn_inputs
 from kdn_compile import reference as ref
 
 CASES = [

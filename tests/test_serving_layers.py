@@ -385,7 +385,7 @@ def test_pool_drift_reports_each_dtype(capsys):
 
 def test_decode_reference_outputs_have_the_fakes_layout():
     # a compiled graph views o as the fake promised it (contiguous), at T > 1 too
-    from _helpers import delta_inputs, kdn_inputs
+    from _inputs import delta_inputs, kdn_inputs
 
     x = delta_inputs(B=2, T=3, Hk=1, Hv=2, K=4, V=3, dtype=torch.float32, with_state=False)
     o = torch.ops.kdn.delta_rule_decode_reference(

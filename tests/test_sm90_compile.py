@@ -10,19 +10,19 @@ CPU tests) replaces the JIT functions that the compiler needs.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from _helpers import without_interpreter
 
 triton = pytest.importorskip("triton")
 
 
 def test_every_kernel_compiles_for_sm90_as_inductor_types_it(tmp_path):
     pytest.importorskip("triton.backends.nvidia")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env = without_interpreter()
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")  # compile for real, every run
     script = Path(__file__).with_name("_sm90_compile.py")
     done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True,

@@ -17,7 +17,8 @@ import functools
 import pytest
 import torch
 from _distributed import spawn
-from _helpers import delta_inputs, kdn_inputs, rel_error
+from _helpers import rel_error
+from _inputs import delta_inputs, kdn_inputs
 
 import kdn_compile
 from kdn_compile.layers import DiagKDN, GatedDeltaNet, KimiDeltaAttention

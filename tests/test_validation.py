@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import kdn_compile
-from _helpers import delta_inputs, kdn_inputs
+from _inputs import delta_inputs, kdn_inputs
 
 
 def test_cu_seqlens_values_are_checked():
