@@ -13,6 +13,7 @@ rounding, in float32).
 from __future__ import annotations
 
 import argparse
+import sys
 import traceback
 
 import torch
@@ -188,7 +189,10 @@ def run(args: argparse.Namespace) -> int:
           f"backend {kdn_compile.get_backend()!r}, float32 inputs, "
           f"T = {LENGTHS[0]} then {LENGTHS[1]}")
     columns = ("op", "runs", "opcheck", "compile", "export", "vs_reference")
-    rows = [check_op(name, device) for name in CASES]
+    rows = []
+    for name in CASES:  # a compile and an export each: seconds apiece on a CPU
+        print(f"checking {name} ...", file=sys.stderr, flush=True)
+        rows.append(check_op(name, device))
     widths = [max(len(c), *(len(str(r[c])) for r in rows)) for c in columns]
     print("  ".join(c.ljust(w) for c, w in zip(columns, widths)).rstrip())
     for row in rows:
