@@ -84,7 +84,8 @@ def _gdn_kernels(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size, state_
 
 
 # The outputs of chunk_gdn_fwd after (o, final_state): what chunk_gdn_bwd takes as prepared
-# (hs and hs_scales: the float8 chunk states of state_qdq, placeholders without).
+# (hs and hs_scales: the float8 chunk states of state_qdq, placeholders without; the
+# kernels' backward recomputes them bit for bit with delta and does not read them).
 SAVED = ("gc", "ai", "aqk", "hs", "hs_scales")
 
 
@@ -126,8 +127,9 @@ def chunk_gdn_bwd_op(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Gradients of ``kdn::chunk_gdn`` on its kernel path: ``(dq, dk, dv, dg, dbeta, dh0)``.
 
-    Takes the forward's :data:`SAVED` gates, ``(I + A)^-1``, ``M`` and, with
-    ``state_qdq``, the float8 chunk states; recomputes the chunk states without.
+    Takes the forward's :data:`SAVED` gates, ``(I + A)^-1`` and ``M``; recomputes the
+    chunk states (with ``state_qdq``, the forward's float8 states bit for bit; the saved
+    ``hs`` and ``hs_scales`` go unread).
     ``grad_state`` may be None (zero); ``dh0`` is an empty tensor when
     ``initial_state`` is None.
     """
