@@ -64,14 +64,11 @@ def read_page(path: str) -> list[dict[str, str]] | None:
         return None
 
 
-def recorded_ms(rows: Sequence[dict[str, str]], section: str, case: str, shape: str,
-                column: str) -> float | None:
-    """The milliseconds in ``column`` (``"ours ms"``, ``"FLA graph ms"``, ...) of the row of
-    ``case`` at ``shape`` (``"8x4096x16"``) in the first table whose section starts with
-    ``section``, or None when there is no such row or its cell is not a number (``-``)."""
+def _first_ms(rows: Sequence[dict[str, str]], matches, column: str) -> float | None:
+    """The milliseconds in ``column`` of the first row for which ``matches(row)``, or None
+    when there is no such row or its cell is not a number (``-``)."""
     for row in rows:
-        if (row["section"].startswith(section) and row.get("case") == case
-                and row.get("B x T x H") == shape):
+        if matches(row):
             try:
                 return float(row.get(column, ""))
             except ValueError:
@@ -79,19 +76,25 @@ def recorded_ms(rows: Sequence[dict[str, str]], section: str, case: str, shape: 
     return None
 
 
+def recorded_ms(rows: Sequence[dict[str, str]], section: str, case: str, shape: str,
+                column: str) -> float | None:
+    """The milliseconds in ``column`` (``"ours ms"``, ``"FLA graph ms"``, ...) of the row of
+    ``case`` at ``shape`` (``"8x4096x16"``) in the first table whose section starts with
+    ``section``, or None when there is no such row or its cell is not a number (``-``)."""
+    return _first_ms(rows, lambda row: (row["section"].startswith(section)
+                                        and row.get("case") == case
+                                        and row.get("B x T x H") == shape), column)
+
+
 def guard_ms(rows: Sequence[dict[str, str]], gpu: str, case: str, shape: str,
              impl: str) -> float | None:
     """The milliseconds of ``impl`` (``"ours"``, ``"FLA graph"``, ...) for ``case`` (the
     family and its case, ``"gdn fwd+bwd"``) at ``shape`` recorded on ``gpu`` in the
     :data:`GUARD_SECTION` table, or None without such a row."""
-    for row in rows:
-        if (row["section"] == GUARD_SECTION and row.get("GPU") == gpu and row.get("case") == case
-                and row.get("B x T x H") == shape and row.get("impl") == impl):
-            try:
-                return float(row.get("ms", ""))
-            except ValueError:
-                return None
-    return None
+    return _first_ms(rows, lambda row: (row["section"] == GUARD_SECTION
+                                        and row.get("GPU") == gpu and row.get("case") == case
+                                        and row.get("B x T x H") == shape
+                                        and row.get("impl") == impl), "ms")
 
 
 def has_rows_for(rows: Sequence[dict[str, str]], gpu: str) -> bool:
