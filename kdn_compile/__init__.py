@@ -6,13 +6,11 @@ Public functions (:mod:`kdn_compile.api`; FLA's names and arguments in
 in the ``kdn`` namespace; :mod:`kdn_compile.reference` holds the exact oracles.
 """
 
-import kdn_compile._checkout  # noqa: F401,I001  (must precede the imports below)
 from kdn_compile._backend import BACKENDS, get_backend, set_backend, use_backend
 from kdn_compile._checks import ArgumentRuntimeError, ArgumentTypeError, ArgumentValueError
-from kdn_compile.debug import get_debug, set_debug
 from kdn_compile.api import chunk_gdn, chunk_kda, diag_kdn, recurrent_delta_rule, state_fp8_qdq
+from kdn_compile.debug import get_debug, set_debug
 from kdn_compile.serving import delta_rule_decode, diag_kdn_decode
-from kdn_compile import fla  # noqa: E402,I001  (FLA's calling conventions)
 
 __version__ = "0.1.0"
 
@@ -22,3 +20,20 @@ __all__ = [
     "delta_rule_decode", "diag_kdn_decode",
     "ArgumentValueError", "ArgumentTypeError", "ArgumentRuntimeError",
 ]
+
+# Submodules that build the nn.Module layers load on first use, so ``import kdn_compile``
+# stays at the functions and ops: ``kdn_compile.fla`` works as an attribute and as
+# ``import kdn_compile.fla``.
+_LAZY_SUBMODULES = ("fla", "layers")
+
+
+def __getattr__(name: str):
+    if name in _LAZY_SUBMODULES:
+        import importlib
+
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY_SUBMODULES})

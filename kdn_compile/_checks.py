@@ -144,7 +144,17 @@ def check_chunk_size(chunk_size) -> None:
         fail(ValueError, f"chunk_size must be a positive finite int, got {shown(chunk_size)}")
 
 
-def _tracing() -> bool:
+def tracing(x: torch.Tensor | None = None) -> bool:
+    """Whether this runs under tracing: ``torch.compile``, ``torch.export``, a fake tensor
+    mode, or with ``x`` a fake or functional tensor (a trace's tensor, also outside those
+    modes). There no tensor value can be read on the host, and a Triton kernel launches
+    through ``wrap_triton``."""
+    if x is not None:
+        from torch._subclasses.fake_tensor import FakeTensor
+        from torch._subclasses.functional_tensor import FunctionalTensor
+
+        if isinstance(x, (FakeTensor, FunctionalTensor)):
+            return True
     return torch.compiler.is_compiling() or torch._guards.detect_fake_mode() is not None
 
 
@@ -156,7 +166,7 @@ def check_cu_seqlens_values(cu_seqlens: torch.Tensor, length) -> None:
     (CUDA, or while tracing) a device-side assert checks the same without a host sync:
     it fails the next synchronizing call with this message.
     """
-    if cu_seqlens.device.type == "cpu" and not _tracing():
+    if cu_seqlens.device.type == "cpu" and not tracing():
         full = getattr(cu_seqlens, "full_tensor", None)  # a DTensor
         bounds = (cu_seqlens if full is None else full()).tolist()
         steps_ok = all(a <= b for a, b in zip(bounds, bounds[1:]))
@@ -196,6 +206,8 @@ def check_state(name: str, state, expected: tuple) -> None:
 
 
 def num_sequences(batch: int, cu_seqlens) -> int:
+    """The number of independent sequences: ``N`` for packed ones (``cu_seqlens [N + 1]``),
+    else the batch size."""
     return batch if cu_seqlens is None else cu_seqlens.shape[0] - 1
 
 

@@ -20,8 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import kdn_compile
+from kdn_compile import api
 from kdn_compile import reference as ref
+from kdn_compile._backend import BACKENDS, get_backend, set_backend
 
 LENGTHS = (37, 70)  # traced at the first length, rerun at the second
 AGREE = 1e-4  # compiled / exported vs eager: the same op on the same inputs
@@ -67,7 +68,7 @@ def _kdn(T, device, gen):
 
 
 def _kdn_public(**x):
-    return kdn_compile.diag_kdn(**x, scale=0.25, info_scale=1.0)
+    return api.diag_kdn(**x, scale=0.25, info_scale=1.0)
 
 
 def _kdn_reference(**x):
@@ -77,13 +78,13 @@ def _kdn_reference(**x):
 # name: (public function, reference, inputs(T, device, generator), reference in float64?)
 # The FP8 grid moves with the scale's rounding, so that reference runs on the same float32.
 CASES = {
-    "chunk_gdn": (kdn_compile.chunk_gdn, ref.chunk_gdn_reference, _delta, True),
-    "chunk_kda": (kdn_compile.chunk_kda, ref.chunk_kda_reference,
+    "chunk_gdn": (api.chunk_gdn, ref.chunk_gdn_reference, _delta, True),
+    "chunk_kda": (api.chunk_kda, ref.chunk_kda_reference,
                   lambda T, d, g: _delta(T, d, g, per_key=True), True),
-    "recurrent_delta_rule": (kdn_compile.recurrent_delta_rule,
+    "recurrent_delta_rule": (api.recurrent_delta_rule,
                              ref.recurrent_delta_rule_reference, _delta, True),
     "diag_kdn": (_kdn_public, _kdn_reference, _kdn, True),
-    "state_fp8_qdq": (kdn_compile.state_fp8_qdq, ref.state_fp8_qdq_reference,
+    "state_fp8_qdq": (api.state_fp8_qdq, ref.state_fp8_qdq_reference,
                       lambda T, d, g: {"state": torch.randn(T, 4, 16, 16, generator=g).to(d)},
                       False),
 }
@@ -178,7 +179,7 @@ def run(args: argparse.Namespace) -> int:
     """Print the report; returns 0 when every op passed every check, else 1."""
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if args.backend:
-        kdn_compile.set_backend(args.backend)
+        set_backend(args.backend)
     try:
         import triton
 
@@ -186,7 +187,7 @@ def run(args: argparse.Namespace) -> int:
     except ImportError:
         triton_version = "absent"
     print(f"kdn-compile check on {device}: torch {torch.__version__}, triton {triton_version}, "
-          f"backend {kdn_compile.get_backend()!r}, float32 inputs, "
+          f"backend {get_backend()!r}, float32 inputs, "
           f"T = {LENGTHS[0]} then {LENGTHS[1]}")
     columns = ("op", "runs", "opcheck", "compile", "export", "vs_reference")
     rows = []
@@ -215,5 +216,5 @@ def run(args: argparse.Namespace) -> int:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if present)")
-    parser.add_argument("--backend", choices=kdn_compile.BACKENDS, default=None,
+    parser.add_argument("--backend", choices=BACKENDS, default=None,
                         help="backend switch for this report (default: the current one)")

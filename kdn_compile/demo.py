@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import kdn_compile
+from kdn_compile._backend import get_backend
 from kdn_compile.layers import DiagKDN, GatedDeltaNet, KimiDeltaAttention
 from kdn_compile.quantization import fp8_row_qdq
 
@@ -329,7 +329,7 @@ def _run(args: argparse.Namespace, device: torch.device) -> dict:
         f"kdn-compile demo: {args.layer} x {args.depth} blocks, dim {args.dim}, "
         f"{sum(p.numel() for p in model.parameters()):,} parameters; {len(data):,} chars of "
         f"stdlib source; {args.steps} steps of {args.batch} x {args.length} on {device}; "
-        f"{mode}; kdn backend {kdn_compile.get_backend()!r}"
+        f"{mode}; kdn backend {get_backend()!r}"
         + ("; quantization-aware: FP8 state QDQ and fp8_row_qdq on W" if args.state_qdq else ""),
         flush=True,
     )

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from kdn_compile.reference._common import to_work
 from kdn_compile.reference.fp8 import e4m3_scale
 
 __all__ = ["fp8_row_qdq"]
@@ -47,7 +48,7 @@ def fp8_row_qdq(w: torch.Tensor) -> torch.Tensor:
         >>> o, state = kdn_compile.chunk_gdn(q, k, v, g, beta, w_quantizer=fp8_row_qdq)  # doctest: +SKIP
     """
     with torch.no_grad():
-        wide = w.to(torch.promote_types(w.dtype, torch.float32))
+        wide = to_work(w)
         scale = e4m3_scale(wide.abs().amax(-1, keepdim=True))
         rounded = ((wide / scale).to(torch.float8_e4m3fn).to(wide.dtype) * scale).to(w.dtype)
     return w + (rounded - w).detach()

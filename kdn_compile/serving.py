@@ -28,6 +28,7 @@ from kdn_compile._checks import (
 from kdn_compile.debug import check_values
 from kdn_compile.ops._dispatch import eager_cuda
 from kdn_compile.ops.decode import delta_rule_decode_body, diag_kdn_decode_body
+from kdn_compile.reference._common import work_dtype
 from kdn_compile.reference.pools import POOL_BLOCK_V
 
 __all__ = ["MAX_DECODE_TOKENS", "delta_rule_decode", "diag_kdn_decode"]
@@ -220,7 +221,7 @@ def diag_kdn_decode(
     memory_dtypes = (torch.float32, torch.bfloat16, torch.float64)
     slots = check_pool("memory_pool", memory_pool, "[S, H, K, V]", (h, dk, dv), memory_dtypes,
                        q.device)
-    precision_dtype = torch.float64 if memory_pool.dtype == torch.float64 else torch.float32
+    precision_dtype = work_dtype(memory_pool.dtype)
     check_pool("precision_pool", precision_pool, "[S, H, K]", (h, dk), (precision_dtype,),
                q.device, slots=slots)
     check_slot_indices(state_indices, b, slots, q.device)

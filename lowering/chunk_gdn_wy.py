@@ -30,6 +30,8 @@ import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
+from kdn_compile.reference._common import work_dtype
+
 from ._launch import dot_precision, fixed_chunk, uncovered_inputs
 from .chunk_gdn_bwd import (
     _decay, _start_state, chunk_warps, floored_gate_grad, gdn_state_grads, key_grads, sum_groups,
@@ -280,7 +282,7 @@ def gdn_wy_operands_fwd(k, v, g, beta, cu_seqlens, *, chunk_size):
     layout = gdn_layout(k, v, cu_seqlens)
     batch, length, n, hk, hv, dk, dv, bound, _, spans = layout
     gc, ai, _ = gdn_prepare(None, k, g, beta, cu_seqlens, layout, with_m=False)
-    dtype = torch.promote_types(k.dtype, torch.float32)
+    dtype = work_dtype(k.dtype)
     w = torch.empty((batch, length, hv, dk), dtype=dtype, device=k.device)
     u = torch.empty((batch, length, hv, dv), dtype=dtype, device=k.device)
     wrap_triton(_chunk_gdn_wy_fwd_kernel)[(bound, hv)](

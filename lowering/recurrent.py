@@ -32,6 +32,8 @@ import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
+from kdn_compile._checks import num_sequences, tracing
+
 from .fp8 import dequantize_tile, quantize_tile, soft_cast
 
 __all__ = [
@@ -187,15 +189,7 @@ def _launch(kernel, grid, like: torch.Tensor):
     """``kernel[grid]``: through ``wrap_triton`` while tracing (fake or functional tensors,
     torch.compile, export) so that Inductor sees the kernel, directly otherwise. A direct
     launch skips the wrapper's dispatch, most of an eager decode step's host time."""
-    from torch._subclasses.fake_tensor import FakeTensor
-    from torch._subclasses.functional_tensor import FunctionalTensor
-
-    tracing = (isinstance(like, (FakeTensor, FunctionalTensor)) or torch.compiler.is_compiling()
-               or torch._guards.detect_fake_mode() is not None)
-    return wrap_triton(kernel)[grid] if tracing or not launch_directly else kernel[grid]
-
-
-launch_directly = True  # False: every launch through wrap_triton (tests that record launches)
+    return wrap_triton(kernel)[grid] if tracing(like) else kernel[grid]
 
 
 def _state_kind(state) -> int:
@@ -236,7 +230,7 @@ def recurrent_delta_fwd(
     """
     b, length, hk, dk = q.shape
     hv, dv = v.shape[2], v.shape[3]
-    n = b if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    n = num_sequences(b, cu_seqlens)
     dtype = state_out.dtype if _state_kind(state_in) != _FP8 else state_in.dtype
     tile, warps = decode_config(n, hv, dv, dtype)
     tile, warps = block_v or tile, num_warps or warps

@@ -161,10 +161,11 @@ def record_launches(B=1, T=70, H=2, K=64, dtypes=(torch.bfloat16, torch.float32)
     multiprocessors when given; with ``every``, the list of all launches. Patches the
     launcher modules for good (a script's job)."""
     launches: list = []
+    record = launch_recorder(launches)
     for module in launcher_modules():
-        module.wrap_triton = launch_recorder(launches)
-        if hasattr(module, "launch_directly"):
-            module.launch_directly = False
+        module.wrap_triton = record
+        if hasattr(module, "_launch"):  # its eager launches, direct, recorded too
+            module._launch = lambda kernel, grid, like: record(kernel)[grid]
         if sms is not None and hasattr(module, "sm_count"):
             module.sm_count = lambda device: sms
     for module in (gdn, gdn_wy, kda, kdn, recurrent, decode, slots, fp8):

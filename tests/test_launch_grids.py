@@ -25,10 +25,11 @@ LIMITS = (2**31 - 1, 65535, 65535)
 @pytest.fixture
 def grids(monkeypatch):
     launches = []
+    record = launch_recorder(launches)
     for module in launcher_modules():
-        monkeypatch.setattr(module, "wrap_triton", launch_recorder(launches))
-        if hasattr(module, "launch_directly"):
-            monkeypatch.setattr(module, "launch_directly", False)
+        monkeypatch.setattr(module, "wrap_triton", record)
+        if hasattr(module, "_launch"):  # its eager launches, direct, recorded too
+            monkeypatch.setattr(module, "_launch", lambda kernel, grid, like: record(kernel)[grid])
     return launches
 
 

@@ -303,13 +303,14 @@ def _qat_layer(**options):
 def test_gdn_layer_quantization_aware_training(monkeypatch):
     """state_qdq and w_quantizer reach chunk_gdn at every length (a decode length too: the
     quantization is defined on the chunked form) and change the output."""
+    from kdn_compile.layers import gdn
     from kdn_compile.quantization import fp8_row_qdq
 
     layer = _qat_layer(state_qdq=True, state_qdq_block_v=4, w_quantizer=fp8_row_qdq)
     plain = _qat_layer()
     seen = []
-    real = kdn_compile.chunk_gdn
-    monkeypatch.setattr(kdn_compile, "chunk_gdn", lambda *a, **kw: seen.append(kw) or real(*a, **kw))
+    real = gdn.chunk_gdn
+    monkeypatch.setattr(gdn, "chunk_gdn", lambda *a, **kw: seen.append(kw) or real(*a, **kw))
     layer(inputs(2, 5, torch.float32))  # one chunk from a zero state: nothing to quantize
     x = inputs(2, 19, torch.float32)
     assert (layer(x)[0] - plain(x)[0]).abs().max() > 1e-4

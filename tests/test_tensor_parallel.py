@@ -288,7 +288,7 @@ def _launch_as_on_cuda_under_torch_2_11() -> collections.Counter:
     from kdn_compile.ops import _dispatch, gdn, gdn_wy, kda, kdn
 
     def launches(x):
-        return x.dtype != torch.bfloat16 and not _dispatch._tracing(x)
+        return x.dtype != torch.bfloat16 and not _dispatch.tracing(x)
 
     for module in (_dispatch, gdn, gdn_wy, kda, kdn):
         module.can_launch = launches

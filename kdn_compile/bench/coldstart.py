@@ -88,7 +88,7 @@ def _op_step(case: str, impl: str, shape: Shape):
 
 def _layer_step(case: str, impl: str, shape: Shape):
     """``(step, reference)`` for one training step of a layer (see :func:`_op_step`)."""
-    import kdn_compile
+    from kdn_compile._backend import use_backend
     from kdn_compile.bench import layers
 
     name = case.split()[0]
@@ -98,7 +98,7 @@ def _layer_step(case: str, impl: str, shape: Shape):
         exact = copy.deepcopy(layer).double()  # the timed layer's bf16 weights, in float64
 
         def reference():
-            with kdn_compile.use_backend("reference"):
+            with use_backend("reference"):
                 return exact(x.detach().double())[0]
         fn = torch.compile(lambda t: layer(t)[0], fullgraph=True)
     else:

@@ -18,7 +18,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-import kdn_compile
+from kdn_compile.serving import delta_rule_decode, diag_kdn_decode
 from kdn_compile.bench.timing import Shape, median_ms, relative_error, require_close
 from kdn_compile.reference import recurrent_delta_rule_reference
 from kdn_compile.reference.fp8 import dequantize_state_fp8, quantize_state_fp8
@@ -102,7 +102,7 @@ def check(against_fla: bool) -> dict[str, float]:
         for name, dtype in POOLS.items():
             pool, scales, start = _pool(5, 4, dtype)
             idx = torch.tensor([4, -1, 1], device="cuda")
-            o = kdn_compile.delta_rule_decode(*x.values(), pool, idx, pool_scales=scales)
+            o = delta_rule_decode(*x.values(), pool, idx, pool_scales=scales)
             rows = torch.tensor([0, 2], device="cuda")
             o64, _ = recurrent_delta_rule_reference(
                 *(t[rows] for t in exact.values()), initial_state=start[idx[rows]].double())
@@ -148,7 +148,7 @@ def pool_rows(shape: Shape, against_fla: bool, slots: torch.Tensor | None = None
         for name in pools:
             dtype = POOLS[name]
             pool, scales, _ = _pool(shape.batch, shape.heads, dtype)
-            fns = {"ours": lambda p=pool, s=scales: kdn_compile.delta_rule_decode(
+            fns = {"ours": lambda p=pool, s=scales: delta_rule_decode(
                 *x.values(), p, slots, pool_scales=s)}
             if against_fla and dtype == torch.float32:
                 fns["FLA"] = _fla(per_key, x, pool.clone())
@@ -198,7 +198,7 @@ def measure(shape: Shape, against_fla: bool) -> list[dict]:
     q, k, v, log_alpha, omega, r = _kdn_inputs(shape)
     memory, _, _ = _pool(shape.batch, shape.heads, torch.float32)
     precision = torch.rand(shape.batch, shape.heads, HEAD_DIM, device="cuda") + 0.5
-    fns = {"ours": lambda: kdn_compile.diag_kdn_decode(
+    fns = {"ours": lambda: diag_kdn_decode(
         q, k, v, log_alpha, omega, r, memory, precision, slots, scale=HEAD_DIM**-0.5,
         info_scale=1.0)}
     rows += _rows("Diag-KDN f32 memory", fns, _state_bytes(shape, torch.float32)

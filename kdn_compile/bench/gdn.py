@@ -6,7 +6,7 @@ K = V = 128 in bf16 with a float32 initial state and the final state returned.
 
 from __future__ import annotations
 
-import kdn_compile
+from kdn_compile.api import chunk_gdn
 from kdn_compile.bench import _delta
 from kdn_compile.bench.timing import Shape
 from kdn_compile.reference import chunk_gdn_reference
@@ -17,7 +17,7 @@ DEFAULT_SHAPES = (Shape(1, 4096, 16), Shape(1, 16384, 16), Shape(1, 32768, 16), 
 
 
 def ours(q, k, v, g, beta, h0, scale):
-    return kdn_compile.chunk_gdn(q, k, v, g, beta, scale=scale, initial_state=h0)
+    return chunk_gdn(q, k, v, g, beta, scale=scale, initial_state=h0)
 
 
 def fla():

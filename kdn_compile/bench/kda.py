@@ -7,7 +7,7 @@ state returned.
 
 from __future__ import annotations
 
-import kdn_compile
+from kdn_compile.api import chunk_kda
 from kdn_compile.bench import _delta
 from kdn_compile.bench.timing import Shape
 from kdn_compile.reference import chunk_kda_reference
@@ -18,7 +18,7 @@ DEFAULT_SHAPES = (Shape(1, 4096, 16), Shape(1, 16384, 16), Shape(1, 32768, 16), 
 
 
 def ours(q, k, v, g, beta, h0, scale):
-    return kdn_compile.chunk_kda(q, k, v, g, beta, scale=scale, initial_state=h0)
+    return chunk_kda(q, k, v, g, beta, scale=scale, initial_state=h0)
 
 
 def fla():

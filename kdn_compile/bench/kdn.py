@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-import kdn_compile
+from kdn_compile.api import chunk_kda, diag_kdn
 from kdn_compile.bench import _delta
 from kdn_compile.bench.timing import (
     Shape, fwd_bwd, relative_error, require_close, time_forward_backward,
@@ -37,13 +37,13 @@ def make_inputs(shape: Shape, seed: int) -> tuple[torch.Tensor, ...]:
 
 
 def ours(*inputs):
-    return kdn_compile.diag_kdn(*inputs, scale=_delta.HEAD_DIM ** -0.5, info_scale=INFO_SCALE)
+    return diag_kdn(*inputs, scale=_delta.HEAD_DIM ** -0.5, info_scale=INFO_SCALE)
 
 
 def kda(q, k, v, log_alpha, omega, r, memory, precision):
     beta = torch.ones_like(r, dtype=q.dtype)
-    return kdn_compile.chunk_kda(q, k, v, log_alpha, beta, scale=_delta.HEAD_DIM ** -0.5,
-                                 initial_state=memory)
+    return chunk_kda(q, k, v, log_alpha, beta, scale=_delta.HEAD_DIM ** -0.5,
+                     initial_state=memory)
 
 
 def check(against_fla: bool) -> dict[str, float]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-import kdn_compile
+from kdn_compile._backend import use_backend
 from kdn_compile.bench.timing import Shape, median_ms, peak_mib, relative_error, require_close
 
 TITLE = "Layers: ours compiled (fullgraph) and eager vs FLA eager, heads of 128, bf16, fwd+bwd"
@@ -54,7 +54,7 @@ def check(against_fla: bool) -> dict[str, float]:
         layer = our_layer(name, H)
         x = torch.randn(B, T, H * HEAD_DIM, device="cuda")
         y = layer.to(torch.bfloat16)(x.to(torch.bfloat16))[0]
-        with kdn_compile.use_backend("reference"):
+        with use_backend("reference"):
             y_ref = layer.double()(x.double())[0]
         errors[name] = relative_error(y, y_ref)
     return require_close(errors, TOLERANCE, "layers")

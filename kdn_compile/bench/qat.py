@@ -15,7 +15,7 @@ import functools
 
 import torch
 
-import kdn_compile
+from kdn_compile.api import chunk_gdn
 from kdn_compile.bench import _delta
 from kdn_compile.bench.timing import Shape
 from kdn_compile.quantization import fp8_row_qdq
@@ -34,7 +34,7 @@ OPTIONS = {"plain": {}, "state_qdq": {"state_qdq": True},
 
 def _path(options: dict):
     def run(q, k, v, g, beta, h0, scale):
-        return kdn_compile.chunk_gdn(q, k, v, g, beta, scale=scale, initial_state=h0, **options)
+        return chunk_gdn(q, k, v, g, beta, scale=scale, initial_state=h0, **options)
     return run
 
 

@@ -29,9 +29,7 @@ GUARD_HEADER = ("GPU", "case", "B x T x H", "impl", "ms", "commit", "date")
 def default_page() -> str:
     """``docs/benchmarks.md`` of the checkout that holds the imported ``kdn_compile`` (the
     path is returned whether or not the file exists: an installed package has no docs)."""
-    import kdn_compile
-
-    package = os.path.dirname(os.path.realpath(kdn_compile.__file__))
+    package = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
     return os.path.join(os.path.dirname(package), "docs", "benchmarks.md")
 
 

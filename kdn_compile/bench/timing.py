@@ -231,9 +231,8 @@ def run_metadata() -> dict[str, str]:
     (:func:`source_commit`) and the UTC time."""
     import triton
 
-    import kdn_compile
-
-    commit = source_commit(os.path.dirname(os.path.abspath(kdn_compile.__file__)))
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    commit = source_commit(package)
     return {
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from kdn_compile._checks import check_cu_seqlens, check_tensor, sequence_of
+from kdn_compile._checks import check_cu_seqlens, check_tensor, num_sequences, sequence_of
 from kdn_compile.reference.context import carry_mask
 
 
@@ -45,17 +45,16 @@ class SliceLayout:
         self.batch, self.length = q.shape[0], q.shape[1]
         self.start = rank * self.length
         self.packed = cu_seqlens is not None
+        check_cu_seqlens(cu_seqlens, self.batch, q.device, world * self.length)
+        self.sequences = num_sequences(self.batch, cu_seqlens)
         self.local_cu = None
         # the packed-sequence description that kdn_compile.reference.context reads
         self.carry_index = self.continues = self.ended = None
         if not self.packed:
-            self.sequences = self.batch
             # every row starts on rank 0 and continues into the ranks after it
             self.starts_here = torch.full((self.batch,), rank == 0, device=q.device)
             return
-        check_cu_seqlens(cu_seqlens, self.batch, q.device, world * self.length)
         bounds = cu_seqlens.to(torch.long)
-        self.sequences = bounds.shape[0] - 1
         self.local_bounds = (bounds - self.start).clamp(0, self.length)
         self.local_cu = self.local_bounds.to(cu_seqlens.dtype)
         firsts = torch.arange(world, device=q.device) * self.length  # each rank's first token

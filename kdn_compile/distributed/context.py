@@ -27,10 +27,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-import kdn_compile
+from kdn_compile import api
 from kdn_compile._checks import check_delta_inputs, check_flag, check_float, check_kdn_inputs
 from kdn_compile.distributed._layout import SliceLayout
-from kdn_compile.reference._common import state_key_first
+from kdn_compile.reference._common import state_key_first, work_dtype
 from kdn_compile.reference.kdn import DEFAULT_CHUNK_SIZE, covariance_step_maps
 
 __all__ = ["chunk_gdn", "chunk_kda", "diag_kdn"]
@@ -179,7 +179,7 @@ def chunk_gdn(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *,
                          "w_quantizer: a quantized state is not an affine map of the state "
                          "before it, so the ranks' slices cannot be chained")
     del state_qdq_block_v  # meaningful with state_qdq only
-    return _delta_rule(kdn_compile.chunk_gdn, "scalar", q, k, v, g, beta, group, chunk_size,
+    return _delta_rule(api.chunk_gdn, "scalar", q, k, v, g, beta, group, chunk_size,
                        scale, initial_state, cu_seqlens, state_v_first)
 
 
@@ -199,7 +199,7 @@ def chunk_kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *,
 
     Source: as :func:`chunk_gdn`, with per-key decays (``A`` is a full ``[K, K]`` map).
     """
-    return _delta_rule(kdn_compile.chunk_kda, "per_key", q, k, v, g, beta, group, chunk_size,
+    return _delta_rule(api.chunk_kda, "per_key", q, k, v, g, beta, group, chunk_size,
                        scale, initial_state, cu_seqlens, state_v_first)
 
 
@@ -233,14 +233,14 @@ def kdn_slice(layout: SliceLayout, q, k, v, log_alpha, omega, r, memory, precisi
     """Both runs of one rank's slice through :func:`kdn_compile.diag_kdn`; ``precision``
     ``[N, H, K]`` the precision each sequence enters the slice with."""
     heads, key_dim = v.shape[2], q.shape[3]
-    o, end, precision_end = kdn_compile.diag_kdn(
+    o, end, precision_end = api.diag_kdn(
         q, k, v, log_alpha, omega, r, layout.known_starts(memory), precision,
         cu_seqlens=layout.local_cu, **options)
     if layout.rank == 0:
         carry = end.new_zeros(layout.carry_shape(heads, key_dim))
         return KdnSlice(layout, o, None, end, carry, precision_end)
     zeros = v.new_zeros(v.shape[:3] + (key_dim,))
-    u, carry, _ = kdn_compile.diag_kdn(
+    u, carry, _ = api.diag_kdn(
         q, k, zeros, log_alpha, omega, r, layout.identity_starts(heads, key_dim, end), precision,
         cu_seqlens=layout.local_cu, **options)
     return KdnSlice(layout, o, u, end, layout.carry_rows(carry), precision_end)
@@ -273,7 +273,7 @@ def diag_kdn(q: Tensor, k: Tensor, v: Tensor, log_alpha: Tensor, omega: Tensor, 
                      cu_seqlens=layout.local_cu, chunk_size=chunk_size)
     options = dict(scale=check_float("scale", scale),
                    info_scale=check_float("info_scale", info_scale), chunk_size=chunk_size)
-    dtype = torch.promote_types(q.dtype, torch.float32)
+    dtype = work_dtype(q.dtype)
     memory, precision = memory.to(dtype), precision.to(dtype)
     carry_map = kdn_carry_map(layout, k, log_alpha, omega, r, precision,
                               info_scale=options["info_scale"])

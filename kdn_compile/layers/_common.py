@@ -15,6 +15,7 @@ from torch import nn
 
 from kdn_compile._checks import _FLOATS, check_cu_seqlens, check_state, check_tensor, dims, fail
 from kdn_compile._checks import listed, num_sequences, sequence_of, shown
+from kdn_compile.reference._common import to_work
 
 
 class ShortConv(nn.Module):
@@ -89,7 +90,7 @@ class ShortConv(nn.Module):
         # tap and each new cache entry is a gather from that pool, so a tap that
         # reaches before its sequence's start lands in that sequence's cache.
         tail = self.kernel_size - 1
-        count = cu_seqlens.shape[0] - 1
+        count = num_sequences(x.shape[0], cu_seqlens)
         if cache is None:
             cache = x.new_zeros((count, tail, x.shape[-1]))
         pool = torch.cat((cache.to(x.dtype).flatten(0, 1), x[0]))
@@ -133,7 +134,7 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        wide = work(o)
+        wide = to_work(o)
         normed = wide * torch.rsqrt(wide.square().mean(-1, keepdim=True) + self.eps)
         act = self._ACTIVATIONS[self.activation]
         return (normed * self.weight * act(gate.to(normed.dtype))).to(o.dtype)
@@ -174,13 +175,8 @@ def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """``x / sqrt(sum(x^2) + eps)`` over the last dim, in at least float32, returned in
     ``x``'s dtype: the L2 normalization of q and k in FLA's layers (``l2norm``, same
     ``eps``)."""
-    wide = work(x)
+    wide = to_work(x)
     return (wide * torch.rsqrt(wide.square().sum(-1, keepdim=True) + eps)).to(x.dtype)
-
-
-def work(x: torch.Tensor) -> torch.Tensor:
-    """``x`` in at least float32 (float64 stays float64)."""
-    return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
 def check_input_dtype(layer: nn.Module, x: torch.Tensor) -> None:

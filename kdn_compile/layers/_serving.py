@@ -35,11 +35,6 @@ def write_slots(pool: torch.Tensor, indices: torch.Tensor, rows: torch.Tensor) -
     op(pool, indices.contiguous(), rows.to(pool.dtype).contiguous())
 
 
-def work_dtype(x: torch.Tensor) -> torch.dtype:
-    """The recurrent state's dtype in the layers: float32, float64 for float64 inputs."""
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
-
-
 def load_state(cache: dict, key: str, indices: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The named slots of ``cache[key]`` in ``dtype`` (float8: dequantized with its scales);
     padding rows read slot 0."""

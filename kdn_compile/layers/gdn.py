@@ -9,10 +9,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-import kdn_compile
+from kdn_compile.api import chunk_gdn, chunk_kda, recurrent_delta_rule
 from kdn_compile._checks import check_flag, check_state, fail, num_sequences
-from kdn_compile.layers._serving import SlotCache, load_state, store_state, work_dtype
+from kdn_compile.layers._serving import SlotCache, load_state, store_state
 from kdn_compile.layers._state import LayerState, signature, state_entries
+from kdn_compile.reference._common import to_work, work_dtype
 from kdn_compile.reference.pools import POOL_BLOCK_V
 from kdn_compile.layers._common import (
     GatedRMSNorm,
@@ -23,9 +24,8 @@ from kdn_compile.layers._common import (
     heads,
     l2_normalize,
     time_step_bias,
-    work,
 )
-from kdn_compile.serving import MAX_DECODE_TOKENS
+from kdn_compile.serving import MAX_DECODE_TOKENS, delta_rule_decode
 
 
 class GatedDeltaNet(SlotCache, nn.Module):
@@ -168,7 +168,7 @@ class GatedDeltaNet(SlotCache, nn.Module):
 
     def decay(self, x: torch.Tensor) -> torch.Tensor:
         """Log decay ``g [B, T, Hv]``: ``-exp(A_log) * softplus(a_proj(x) + dt_bias)``."""
-        return -self.A_log.exp() * F.softplus(work(self.a_proj(x)) + self.dt_bias)
+        return -self.A_log.exp() * F.softplus(to_work(self.a_proj(x)) + self.dt_bias)
 
     def output_gate(self, x: torch.Tensor) -> torch.Tensor:
         """The output gate before its activation, ``[B, T, Hv, V]``."""
@@ -184,13 +184,13 @@ class GatedDeltaNet(SlotCache, nn.Module):
         """
         quantized = self.state_qdq or self.w_quantizer is not None
         if not quantized and statically_known_true(q.shape[1] <= MAX_DECODE_TOKENS):
-            return kdn_compile.recurrent_delta_rule(
+            return recurrent_delta_rule(
                 q, k, v, g, beta, initial_state=initial_state, cu_seqlens=cu_seqlens
             )
         if self.gate_per_key:
-            return kdn_compile.chunk_kda(q, k, v, g, beta, chunk_size=self.chunk_size,
-                                         initial_state=initial_state, cu_seqlens=cu_seqlens)
-        return kdn_compile.chunk_gdn(
+            return chunk_kda(q, k, v, g, beta, chunk_size=self.chunk_size,
+                             initial_state=initial_state, cu_seqlens=cu_seqlens)
+        return chunk_gdn(
             q, k, v, g, beta, chunk_size=self.chunk_size, initial_state=initial_state,
             cu_seqlens=cu_seqlens, state_qdq=self.state_qdq,
             state_qdq_block_v=self.state_qdq_block_v, w_quantizer=self.w_quantizer,
@@ -240,12 +240,12 @@ class GatedDeltaNet(SlotCache, nn.Module):
         q, k, v = self._conv_step(x, cache, indices, cu_seqlens, self.num_v_heads)
         q, k, g, beta = self.mixer_inputs(x, q, k)
         if decode:
-            o = kdn_compile.delta_rule_decode(
+            o = delta_rule_decode(
                 q, k, v, g, beta, cache["recurrent"], indices,
                 pool_scales=cache.get("recurrent_scales"),
             )
         else:
-            initial = load_state(cache, "recurrent", indices, work_dtype(x))
+            initial = load_state(cache, "recurrent", indices, work_dtype(x.dtype))
             o, final = self.mix(q, k, v, g, beta, initial, cu_seqlens)
             store_state(cache, "recurrent", indices, final)
         return self.output(o, x)

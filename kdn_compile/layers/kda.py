@@ -6,8 +6,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kdn_compile.layers._common import heads, work
+from kdn_compile.layers._common import heads
 from kdn_compile.layers.gdn import GatedDeltaNet
+from kdn_compile.reference._common import to_work
 
 
 class KimiDeltaAttention(GatedDeltaNet):
@@ -41,7 +42,7 @@ class KimiDeltaAttention(GatedDeltaNet):
 
     def decay(self, x: torch.Tensor) -> torch.Tensor:
         """Log decay ``g [B, T, Hv, K]``."""
-        raw = heads(work(self.f_proj(x)), self.num_v_heads)
+        raw = heads(to_work(self.f_proj(x)), self.num_v_heads)
         raw = raw + self.dt_bias.view(self.num_v_heads, -1)
         return -self.A_log.exp()[:, None] * F.softplus(raw)
 

@@ -7,12 +7,13 @@ import torch.nn.functional as F
 from torch import nn
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-import kdn_compile
+from kdn_compile.api import diag_kdn
 from kdn_compile._checks import check_float, check_state, num_sequences
-from kdn_compile.layers._common import GatedRMSNorm, ShortConv, check_sizes, convolved_qkv, heads, work
+from kdn_compile.layers._common import GatedRMSNorm, ShortConv, check_sizes, convolved_qkv, heads
 from kdn_compile.layers._common import decay_rate_log, time_step_bias
-from kdn_compile.layers._serving import SlotCache, load_state, work_dtype, write_slots
+from kdn_compile.layers._serving import SlotCache, load_state, write_slots
 from kdn_compile.layers._state import LayerState, signature, state_entries
+from kdn_compile.reference._common import to_work, work_dtype
 from kdn_compile.reference import (
     INITIAL_PRECISION_FLOOR,
     initial_precision_logit,
@@ -20,7 +21,7 @@ from kdn_compile.reference import (
     kalman_noise,
     normalize_query_key,
 )
-from kdn_compile.serving import MAX_DECODE_TOKENS
+from kdn_compile.serving import MAX_DECODE_TOKENS, diag_kdn_decode
 
 
 class DiagKDN(SlotCache, nn.Module):
@@ -180,12 +181,12 @@ class DiagKDN(SlotCache, nn.Module):
         if short and not self._needs_grad(x, memory, precision):
             # the decode step over a one-slot-per-row copy of the state
             memory, precision = memory.detach().clone(), precision.detach().clone()
-            o = kdn_compile.diag_kdn_decode(
+            o = diag_kdn_decode(
                 q, k, v, log_alpha, omega, r, memory, precision,
                 torch.arange(rows, device=x.device), scale=scale, info_scale=self.info_scale,
             )
         else:
-            o, memory, precision = kdn_compile.diag_kdn(
+            o, memory, precision = diag_kdn(
                 q, k, v, log_alpha, omega, r, memory, precision,
                 scale=scale, info_scale=self.info_scale,
                 chunk_size=self.chunk_size, cu_seqlens=cu_seqlens,
@@ -205,15 +206,14 @@ class DiagKDN(SlotCache, nn.Module):
             "conv": ((self.conv.kernel_size - 1, self.conv.weight.shape[0]),
                      self.q_proj.weight.dtype),
             "memory": ((h, dk, self.head_v_dim), state_dtype),
-            "precision": ((h, dk), torch.float64 if state_dtype == torch.float64
-                          else torch.float32),
+            "precision": ((h, dk), work_dtype(state_dtype)),
         }
 
     def fresh_row(self, name, shape, dtype, device):
         if name != "precision":
             return super().fresh_row(name, shape, dtype, device)
         # the learned prior of kalman_noise, as initial_state lays it out
-        prior = INITIAL_PRECISION_FLOOR + F.softplus(work(self.initial_precision_param.detach()))
+        prior = INITIAL_PRECISION_FLOOR + F.softplus(to_work(self.initial_precision_param.detach()))
         _, precision = initial_state(prior, batch_size=1, key_dim=self.head_dim, value_dim=1)
         return precision[0].to(device, dtype)
 
@@ -222,13 +222,13 @@ class DiagKDN(SlotCache, nn.Module):
         q, k, log_alpha, omega, r, _ = self.mixer_inputs(x, q, k, v)
         scale = self.head_dim**-0.5
         if decode:
-            o = kdn_compile.diag_kdn_decode(
+            o = diag_kdn_decode(
                 q, k, v, log_alpha, omega, r, cache["memory"], cache["precision"], indices,
                 scale=scale, info_scale=self.info_scale,
             )
         else:
-            dtype = work_dtype(x)
-            o, memory, precision = kdn_compile.diag_kdn(
+            dtype = work_dtype(x.dtype)
+            o, memory, precision = diag_kdn(
                 q, k, v, log_alpha, omega, r, load_state(cache, "memory", indices, dtype),
                 load_state(cache, "precision", indices, dtype), scale=scale,
                 info_scale=self.info_scale, chunk_size=self.chunk_size, cu_seqlens=cu_seqlens,

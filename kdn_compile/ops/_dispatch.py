@@ -7,6 +7,8 @@ import os
 
 import torch
 
+from kdn_compile._checks import tracing
+
 
 def _triton_installed() -> bool:
     try:
@@ -18,17 +20,6 @@ def _triton_installed() -> bool:
 # Without Triton (macOS, Windows, a bare CPU install) the kernels are not even
 # imported and every op runs its reference.
 TRITON = _triton_installed()
-
-
-def _tracing(x: torch.Tensor) -> bool:
-    from torch._subclasses.fake_tensor import FakeTensor
-    from torch._subclasses.functional_tensor import FunctionalTensor
-
-    return (
-        isinstance(x, (FakeTensor, FunctionalTensor))
-        or torch._guards.detect_fake_mode() is not None
-        or torch.compiler.is_compiling()
-    )
 
 
 def plain(x: torch.Tensor) -> bool:
@@ -62,7 +53,7 @@ def can_launch(x: torch.Tensor) -> bool:
         and os.environ.get("TRITON_INTERPRET") == "1"
         # The interpreter's bfloat16 tl.dot is wrong (triton 3.9): bf16 stays on the reference.
         and x.dtype != torch.bfloat16
-        and not _tracing(x)
+        and not tracing(x)
     )
 
 
@@ -75,7 +66,7 @@ def metadata_only(x: torch.Tensor) -> bool:
     the CPU whatever the mesh's device by torch 2.11), and its saved tensors are the
     forward reference branch's placeholders, from which no kernel computes.
     """
-    return _tracing(x) and not can_launch(x)
+    return tracing(x) and not can_launch(x)
 
 
 def interpreted_ok(q: torch.Tensor, state_dtypes) -> bool:

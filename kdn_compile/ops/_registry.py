@@ -5,7 +5,8 @@ Each op family declares two forward ops with one schema:
 * ``kdn::<name>``: a :func:`torch.library.triton_op` whose body launches the
   Triton kernels when it can and otherwise calls the reference op; it may
   append to the family's outputs tensors that only its backward reads (the
-  kernels' saved tensors; see :meth:`FamilyOps.attach_autograd`);
+  kernels' saved tensors, declared once per family as a mapping from name to
+  head dimension; see :meth:`FamilyOps.attach_kernels`);
 * ``kdn::<name>_reference``: an opaque :func:`torch.library.custom_op` that runs
   the exact PyTorch reference. Its fake implementation reads input shapes only,
   so sequence lengths stay symbolic under ``torch.compile(dynamic=True)`` and
@@ -21,7 +22,7 @@ its body; this is what lets it pass ``opcheck`` and compile like any other op.
 from __future__ import annotations
 
 import inspect
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 import torch
 from torch._library.infer_schema import infer_schema
@@ -82,6 +83,25 @@ def refuse_double_backward(op_name: str, inputs: Sequence, grads: Sequence) -> t
     )
 
 
+# The head "dimension" of a saved tensor that is a flat per-chunk buffer whose per-rank part
+# is contiguous: DTensor shards it as Shard(0) (kdn_compile.ops.sharding).
+FLAT = "flat"
+
+
+def check_backward_arguments(bwd_op, leading: Sequence[str], saved: Mapping[str, object],
+                             grads: int) -> None:
+    """Raise TypeError unless the schema of ``bwd_op`` (a backward op, whose signature
+    lists its arguments one by one) takes ``leading``, then one argument per name of
+    ``saved`` (a family's declaration of its saved tensors) in its order, then ``grads``
+    gradients."""
+    names = [a.name for a in bwd_op._opoverload._schema.arguments]
+    expected = [*leading, *saved]
+    if names[: len(expected)] != expected or len(names) != len(expected) + grads:
+        raise TypeError(
+            f"{bwd_op._qualname} takes ({', '.join(names)}); its declaration asks for "
+            f"({', '.join(expected)}) followed by {grads} gradients")
+
+
 def saved_placeholders(like: torch.Tensor, n: int, heads: int) -> tuple[torch.Tensor, ...]:
     """``n`` empty tensors ``[heads, heads, heads, 0]`` in place of the saved outputs of a
     ``kdn::<name>`` op on a path that saves nothing (the reference, or a half that runs
@@ -106,6 +126,49 @@ def empty_grads(like: torch.Tensor, inputs: Sequence) -> tuple[torch.Tensor, ...
     """Uninitialised gradients of ``inputs``, each of its input's shape and dtype; for an
     absent (None) input the empty tensor that stands for its gradient (``like``'s)."""
     return tuple(like.new_empty(0) if x is None else x.new_empty(x.shape) for x in inputs)
+
+
+def _absent(inputs: dict) -> torch.Tensor:
+    """The empty tensor that stands for the gradient of an absent optional input."""
+    anchor = next(x for x in inputs.values() if isinstance(x, torch.Tensor))
+    return anchor.new_empty(0)
+
+
+def reference_vjp(reference: Callable, inputs: dict, differentiable: Sequence[str],
+                  grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The gradients of ``reference(*inputs.values())`` (a tensor or a tuple) with respect to
+    its ``differentiable`` inputs, in their order, against ``grads`` (one per output), by
+    :func:`torch.autograd.grad`: each in its input's dtype, zeros where no output depends on
+    the input, and for an absent (None) input the empty tensor that stands for its
+    gradient. Inside an op's body, call it where autograd records
+    (``_recording_autograd``)."""
+    with torch.enable_grad():
+        leaves = {
+            n: (x.detach().requires_grad_() if n in differentiable and x is not None else x)
+            for n, x in inputs.items()
+        }
+        outputs = reference(*leaves.values())
+        outputs = (outputs,) if isinstance(outputs, torch.Tensor) else outputs
+        pairs = [(o, g) for o, g in zip(outputs, grads) if o.requires_grad]
+        wrt = [leaves[n] for n in differentiable if leaves[n] is not None]
+        found = (
+            torch.autograd.grad(
+                [o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True
+            )
+            if pairs and wrt
+            else [None] * len(wrt)
+        )
+    found = iter(found)
+    result = []
+    for name in differentiable:
+        x = inputs[name]
+        if x is None:
+            result.append(_absent(inputs))
+            continue
+        grad = next(found)
+        result.append(torch.zeros_like(x) if grad is None
+                      else grad.to(x.dtype).contiguous().clone())
+    return result
 
 
 class FamilyOps:
@@ -170,15 +233,9 @@ class FamilyOps:
         n = len(self.params)
         return dict(zip(self.params, args[:n])), list(args[n:])
 
-    @staticmethod
-    def _absent(inputs: dict) -> torch.Tensor:
-        """The empty tensor that stands for the gradient of an absent optional input."""
-        anchor = next(x for x in inputs.values() if isinstance(x, torch.Tensor))
-        return anchor.new_empty(0)
-
     def _fake_grads(self, *args):
         inputs, _ = self._split(args)
-        return self._returned(list(empty_grads(self._absent(inputs),
+        return self._returned(list(empty_grads(_absent(inputs),
                                                [inputs[n] for n in self.differentiable])))
 
     @staticmethod
@@ -188,32 +245,9 @@ class FamilyOps:
 
     def _reference_vjp(self, *args):
         inputs, grads = self._split(args)
-        with _recording_autograd(), torch.enable_grad():
-            leaves = {
-                n: (x.detach().requires_grad_() if n in self.differentiable and x is not None else x)
-                for n, x in inputs.items()
-            }
-            outputs = self.reference(*(leaves[n] for n in self.params))
-            outputs = (outputs,) if isinstance(outputs, torch.Tensor) else outputs
-            pairs = [(o, g) for o, g in zip(outputs, grads) if o.requires_grad]
-            wrt = [leaves[n] for n in self.differentiable if leaves[n] is not None]
-            found = (
-                torch.autograd.grad(
-                    [o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True
-                )
-                if pairs and wrt
-                else [None] * len(wrt)
-            )
-        found = iter(found)
-        result = []
-        for name in self.differentiable:
-            x = inputs[name]
-            if x is None:
-                result.append(self._absent(inputs))
-                continue
-            grad = next(found)
-            result.append(torch.zeros_like(x) if grad is None else grad.to(x.dtype).contiguous().clone())
-        return self._returned(result)
+        with _recording_autograd():
+            return self._returned(reference_vjp(self.reference, inputs, self.differentiable,
+                                                grads))
 
     def reference_backward(self, inputs: dict, grads: Sequence[torch.Tensor]) -> dict:
         """Gradients of the differentiable inputs through the reference bwd op."""
@@ -221,47 +255,65 @@ class FamilyOps:
         values = (values,) if isinstance(values, torch.Tensor) else values
         return dict(zip(self.differentiable, values))
 
-    def kernel_or_reference_backward(
-        self, use_kernels: Callable[[dict], bool], kernel_bwd_op, arguments: Sequence[str]
-    ) -> Callable[..., dict]:
-        """A backward for :meth:`attach_autograd`: ``kernel_bwd_op(*inputs[arguments],
-        *saved, *grads)`` where ``use_kernels(inputs)``, else :meth:`reference_backward`.
+    def attach_kernels(self, op, kernel_bwd_op, saved: Mapping[str, object],
+                       kernels: Callable[[dict], bool]) -> None:
+        """Autograd of the family's kernel op ``op``, which returns the family's outputs
+        followed by the tensors that ``saved`` declares (name: head dimension, in order).
 
-        ``saved`` are the forward op's saved outputs (none unless it declares some);
-        ``use_kernels`` must pick the branch that the forward took. ``kernel_bwd_op``
-        returns one gradient per differentiable input, in order.
+        Where ``kernels(inputs)`` (the rule by which ``op`` picks its kernel branch), the
+        gradients are ``kernel_bwd_op(*inputs, *saved tensors, *grads)``, one per
+        differentiable input in order; elsewhere :meth:`reference_backward`'s. Raises
+        TypeError unless ``kernel_bwd_op`` takes exactly those arguments
+        (:func:`check_backward_arguments`).
         """
+        check_backward_arguments(kernel_bwd_op, self.params, saved, self.num_outputs)
 
-        def backward(inputs: dict, grads: list, saved: Sequence[torch.Tensor] = ()) -> dict:
-            if not use_kernels(inputs):
+        def backward(inputs: dict, grads: list, saved: dict, path: bool) -> dict:
+            if not path:
                 return self.reference_backward(inputs, grads)
-            found = kernel_bwd_op(*(inputs[n] for n in arguments), *saved, *grads)
+            found = kernel_bwd_op(*(inputs[n] for n in self.params), *saved.values(), *grads)
             return dict(zip(self.differentiable, found))
 
-        return backward
+        self.attach_autograd(op, backward, saved=saved, path=kernels)
 
     # -- autograd wiring -----------------------------------------------------
-    def attach_autograd(self, op, backward: Callable[..., dict], saved: int = 0) -> None:
+    def attach_autograd(self, op, backward: Callable[..., dict],
+                        saved: Mapping[str, object] | None = None,
+                        path: Callable[[dict], object] | None = None) -> None:
         """Register autograd for ``op``: ``backward(inputs, grads) -> {name: grad}``.
 
-        With ``saved > 0``, ``op`` returns the family's outputs followed by ``saved``
-        tensors that only the backward reads (the kernels' saved tensors; a branch
-        without them returns placeholders): they are not differentiable, their
-        gradients are never formed, and the call is ``backward(inputs, grads,
-        saved_tensors)``. A gradient of an unused output is zeros of the fake's shape,
-        formed here rather than by autograd: from the inputs, so that it is a tensor of
-        their kind (a DTensor for DTensor inputs, where autograd's zeros would be plain).
+        With ``saved`` (a family's declaration: name to head dimension, in order), ``op``
+        returns the family's outputs followed by one tensor per name that only the backward
+        reads (the kernels' saved tensors; a branch without them returns placeholders):
+        they are not differentiable, their gradients are never formed, and the backward
+        gets them by name, ``saved={name: tensor}``. With ``path``, ``path(inputs)`` names
+        the branch that the forward took: it is evaluated as the forward returns (in
+        ``setup_context``, on the inputs as the forward saw them), kept on the autograd
+        context, which a traced graph keeps too, and handed to the backward as ``path=``.
+        A gradient of an unused output is zeros of the fake's shape, formed here rather
+        than by autograd: from the inputs, so that it is a tensor of their kind (a DTensor
+        for DTensor inputs, where autograd's zeros would be plain).
+
+        Raises TypeError unless ``op`` returns the family's outputs and one tensor per
+        saved name.
         """
         params = self.params
         num_outputs = self.num_outputs
+        names = tuple(saved or ())
+        returns = len(op._opoverload._schema.returns)
+        if returns != num_outputs + len(names):
+            raise TypeError(f"{op._qualname} returns {returns} tensors, not the {num_outputs} "
+                            f"outputs of kdn::{self.name} and the {len(names)} it saves")
 
         def setup_context(ctx, inputs, output):
             tensors = [x if isinstance(x, torch.Tensor) else None for x in inputs]
-            extra = tuple(output[num_outputs:]) if saved else ()
+            extra = tuple(output[num_outputs:]) if names else ()
             ctx.save_for_backward(*tensors, *extra)
             ctx.plain = [None if isinstance(x, torch.Tensor) else x for x in inputs]
             ctx.was_tensor = [isinstance(x, torch.Tensor) for x in inputs]
-            if saved:
+            if path is not None:
+                ctx.path = path(dict(zip(params, inputs)))
+            if names:
                 ctx.mark_non_differentiable(*extra)
             # saved: no zeros as large as the saved tensors; all: see _materialize
             ctx.set_materialize_grads(False)
@@ -271,10 +323,12 @@ class FamilyOps:
             values = [s if t else p for s, p, t in zip(stored, ctx.plain, ctx.was_tensor)]
             inputs = dict(zip(params, values))
             grads = self._materialize(values, grads[:num_outputs])
-            if saved:
-                found = backward(inputs, grads, stored[len(params):])
-            else:
-                found = backward(inputs, grads)
+            extra = {}
+            if names:
+                extra["saved"] = dict(zip(names, stored[len(params):]))
+            if path is not None:
+                extra["path"] = ctx.path
+            found = backward(inputs, grads, **extra)
             result = tuple(
                 found.get(n) if (n in self.differentiable and inputs[n] is not None) else None
                 for n in params

@@ -2,17 +2,12 @@
 
 from __future__ import annotations
 
-import torch
-
+from kdn_compile._checks import num_sequences
 from kdn_compile.reference._common import work_dtype
-
-
-def num_sequences(q: torch.Tensor, cu_seqlens: torch.Tensor | None):
-    return q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
 
 
 def empty_state(q, cu_seqlens, heads, key_dim, value_dim, state_v_first):
     """An uninitialised ``[N, Hv, K, V]`` (or value-major) state in the working dtype."""
-    n = num_sequences(q, cu_seqlens)
+    n = num_sequences(q.shape[0], cu_seqlens)
     shape = (n, heads, value_dim, key_dim) if state_v_first else (n, heads, key_dim, value_dim)
     return q.new_empty(shape, dtype=work_dtype(q.dtype))

@@ -85,8 +85,9 @@ def _gdn_kernels(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size, state_
 
 # The outputs of chunk_gdn_fwd after (o, final_state): what chunk_gdn_bwd takes as prepared
 # (hs and hs_scales: the float8 chunk states of state_qdq, placeholders without; the
-# kernels' backward recomputes them bit for bit with delta and does not read them).
-SAVED = ("gc", "ai", "aqk", "hs", "hs_scales")
+# kernels' backward recomputes them bit for bit with delta and does not read them), each
+# with the dimension of its heads (where DTensor shards it).
+SAVED = {"gc": 2, "ai": 2, "aqk": 2, "hs": 1, "hs_scales": 1}
 
 
 @torch.library.triton_op("kdn::chunk_gdn", mutates_args=())
@@ -144,15 +145,9 @@ def chunk_gdn_bwd_op(
     return dq, dk, dv, dg, dbeta, (q.new_empty(0) if dh0 is None else dh0)
 
 
-CHUNK_GDN.attach_autograd(
-    chunk_gdn_op,
-    CHUNK_GDN.kernel_or_reference_backward(
-        lambda x: _gdn_kernels(x["q"], x["k"], x["v"], x["g"], x["beta"], x["initial_state"],
-                               x["cu_seqlens"], x["chunk_size"], x["state_qdq"],
-                               x["state_qdq_block_v"]),
-        chunk_gdn_bwd_op,
-        ("q", "k", "v", "g", "beta", "initial_state", "cu_seqlens", "chunk_size", "scale",
-         "state_v_first", "state_qdq", "state_qdq_block_v"),
-    ),
-    saved=len(SAVED),
+CHUNK_GDN.attach_kernels(
+    chunk_gdn_op, chunk_gdn_bwd_op, SAVED,
+    lambda x: _gdn_kernels(x["q"], x["k"], x["v"], x["g"], x["beta"], x["initial_state"],
+                           x["cu_seqlens"], x["chunk_size"], x["state_qdq"],
+                           x["state_qdq_block_v"]),
 )

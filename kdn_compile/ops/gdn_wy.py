@@ -70,8 +70,9 @@ GDN_WY_OPERANDS = FamilyOps(
     _operands_fake, differentiable=("k", "v", "g", "beta"),
 )
 
-# What gdn_wy_operands_fwd returns after (W, U) and gdn_wy_operands_bwd takes as prepared.
-OPERANDS_SAVED = ("gc", "ai")
+# What gdn_wy_operands_fwd returns after (W, U) and gdn_wy_operands_bwd takes as prepared,
+# each with the dimension of its heads (where DTensor shards it).
+OPERANDS_SAVED = {"gc": 2, "ai": 2}
 
 
 def _operand_kernels(k, v, g, beta, cu_seqlens, chunk_size) -> bool:
@@ -106,15 +107,10 @@ def gdn_wy_operands_bwd_op(
                                chunk_size=chunk_size, prepared=(gc, ai))
 
 
-GDN_WY_OPERANDS.attach_autograd(
-    gdn_wy_operands_op,
-    GDN_WY_OPERANDS.kernel_or_reference_backward(
-        lambda x: _operand_kernels(x["k"], x["v"], x["g"], x["beta"], x["cu_seqlens"],
-                                   x["chunk_size"]),
-        gdn_wy_operands_bwd_op,
-        ("k", "v", "g", "beta", "cu_seqlens", "chunk_size"),
-    ),
-    saved=len(OPERANDS_SAVED),
+GDN_WY_OPERANDS.attach_kernels(
+    gdn_wy_operands_op, gdn_wy_operands_bwd_op, OPERANDS_SAVED,
+    lambda x: _operand_kernels(x["k"], x["v"], x["g"], x["beta"], x["cu_seqlens"],
+                               x["chunk_size"]),
 )
 
 
@@ -149,8 +145,9 @@ GDN_WY_RECURRENCE = FamilyOps(
 )
 
 # What gdn_wy_recurrence_fwd returns after (o, final_state) and gdn_wy_recurrence_bwd takes
-# as prepared (hs and hs_scales: the float8 chunk states of state_qdq, placeholders without).
-RECURRENCE_SAVED = ("gc", "aqk", "hs", "hs_scales")
+# as prepared (hs and hs_scales: the float8 chunk states of state_qdq, placeholders without),
+# each with the dimension of its heads (where DTensor shards it).
+RECURRENCE_SAVED = {"gc": 2, "aqk": 2, "hs": 1, "hs_scales": 1}
 
 
 def _recurrence_kernels(q, k, w, u, g, initial_state, cu_seqlens, chunk_size, state_qdq,
@@ -208,15 +205,9 @@ def gdn_wy_recurrence_bwd_op(
     return dq, dk, dw, du, dg, (q.new_empty(0) if dh0 is None else dh0)
 
 
-GDN_WY_RECURRENCE.attach_autograd(
-    gdn_wy_recurrence_op,
-    GDN_WY_RECURRENCE.kernel_or_reference_backward(
-        lambda x: _recurrence_kernels(
-            x["q"], x["k"], x["w"], x["u"], x["g"], x["initial_state"], x["cu_seqlens"],
-            x["chunk_size"], x["state_qdq"], x["state_qdq_block_v"]),
-        gdn_wy_recurrence_bwd_op,
-        ("q", "k", "w", "u", "g", "initial_state", "cu_seqlens", "chunk_size", "scale",
-         "state_v_first", "state_qdq", "state_qdq_block_v"),
-    ),
-    saved=len(RECURRENCE_SAVED),
+GDN_WY_RECURRENCE.attach_kernels(
+    gdn_wy_recurrence_op, gdn_wy_recurrence_bwd_op, RECURRENCE_SAVED,
+    lambda x: _recurrence_kernels(
+        x["q"], x["k"], x["w"], x["u"], x["g"], x["initial_state"], x["cu_seqlens"],
+        x["chunk_size"], x["state_qdq"], x["state_qdq_block_v"]),
 )

@@ -52,8 +52,11 @@ def _chunk_kda_fake(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size, sca
     return v.new_empty(v.shape), state
 
 
-# The outputs of two_key_fwd after (o, final_state): what two_key_bwd reads.
-SAVED = ("c", "qd", "kd", "wl", "tmat", "rmat", "h", "x", "chunk_seq", "chunk_first")
+# The outputs of two_key_fwd after (o, final_state): what two_key_bwd reads, each with the
+# dimension of its heads (where DTensor shards it); the chunk maps (None) are the same on
+# every rank.
+SAVED = {"c": 1, "qd": 1, "kd": 1, "wl": 1, "tmat": 1, "rmat": 1, "h": 1, "x": 1,
+         "chunk_seq": None, "chunk_first": None}
 
 CHUNK_KDA = FamilyOps(
     "chunk_kda", _chunk_kda_signature, _chunk_kda_reference, _chunk_kda_fake,
@@ -135,13 +138,7 @@ def chunk_kda_bwd_op(
     )
 
 
-CHUNK_KDA.attach_autograd(
-    chunk_kda_op,
-    CHUNK_KDA.kernel_or_reference_backward(
-        lambda x: _kda_kernels(x["q"], x["v"], x["chunk_size"]),
-        chunk_kda_bwd_op,
-        ("q", "k", "v", "g", "beta", "initial_state", "cu_seqlens", "chunk_size", "scale",
-         "state_v_first"),
-    ),
-    saved=len(SAVED),
+CHUNK_KDA.attach_kernels(
+    chunk_kda_op, chunk_kda_bwd_op, SAVED,
+    lambda x: _kda_kernels(x["q"], x["v"], x["chunk_size"]),
 )

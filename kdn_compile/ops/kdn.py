@@ -18,14 +18,23 @@ maps (:func:`kdn_compile.reference.mobius_product`): context parallelism
 
 from __future__ import annotations
 
+import inspect
 from typing import Optional
 
 import torch
 from torch import Tensor
 
 from kdn_compile import reference as ref
-from kdn_compile.ops._dispatch import TRITON, _tracing, can_launch, metadata_only, plain
-from kdn_compile.ops._registry import FamilyOps, empty_grads, saved_placeholders
+from kdn_compile._checks import tracing
+from kdn_compile.ops._dispatch import TRITON, can_launch, metadata_only, plain
+from kdn_compile.ops._registry import (
+    FLAT,
+    FamilyOps,
+    check_backward_arguments,
+    empty_grads,
+    reference_vjp,
+    saved_placeholders,
+)
 from kdn_compile.ops.kda import SAVED as TWO_KEY_SAVED
 from kdn_compile.reference._common import segments, work_dtype
 
@@ -80,7 +89,7 @@ def _gain_kernels(q, k, log_alpha, omega, r, precision, cu_seqlens) -> bool:
     return (
         can_launch(q)
         and kalman_gain_kernel_supports(k, log_alpha, omega, r, precision, cu_seqlens)
-        and not (cu_seqlens is not None and _tracing(q))
+        and not (cu_seqlens is not None and tracing(q))
     )
 
 
@@ -106,9 +115,14 @@ def _memory_kernels(q, v, chunk_size) -> bool:
 
 
 # The outputs of kdn::diag_kdn after (output, memory, precision): what its backward reads,
-# the gain scan's then the two-key kernels'.
-GAIN_SAVED = ("gain", "chunk_cov", "final_cov")
-SAVED = GAIN_SAVED + TWO_KEY_SAVED
+# the gain scan's then the two-key kernels', each with the dimension of its heads (where
+# DTensor shards it; the chunk covariances are a flat per-chunk buffer).
+GAIN_SAVED = {"gain": 2, "chunk_cov": FLAT, "final_cov": 1}
+SAVED = {**GAIN_SAVED, **TWO_KEY_SAVED}
+# The memory's arguments (given the gains): of _memory, and of kdn::diag_kdn_memory_bwd
+# before the two-key kernels' saved tensors; and those it returns gradients of, in order.
+MEMORY_ARGUMENTS = tuple(inspect.signature(_memory).parameters)
+MEMORY_GRADS = ("q", "k", "v", "log_alpha", "gain", "memory")
 
 
 @torch.library.triton_op("kdn::diag_kdn_memory_bwd", mutates_args=())
@@ -134,6 +148,9 @@ def diag_kdn_memory_bwd_op(
         log_decay_floor=ref.LOG_MEMORY_ALPHA_FLOOR,
     )
     return dq, dk, dv, dlog_alpha, dgain, dmemory.to(memory.dtype)
+
+
+check_backward_arguments(diag_kdn_memory_bwd_op, MEMORY_ARGUMENTS, TWO_KEY_SAVED, 2)
 
 
 @torch.library.triton_op("kdn::kalman_gain_bwd", mutates_args=())
@@ -192,50 +209,50 @@ def diag_kdn_op(
     return (output, memory, final_precision, gain, chunk_cov, final_cov, *two_key_saved)
 
 
-def _diag_kdn_backward(inputs, grads, saved):
+def _backward_path(x: dict) -> str:
+    """How the backward of ``kdn::diag_kdn`` on the inputs ``x`` runs, by the branches that
+    its forward takes on them: ``"kernels"``, the gain and memory kernels reversed from the
+    saved tensors; ``"gain kernels"``, the gain kernels reversed and the memory through the
+    VJP of its reference math (:func:`_memory`); ``"reference"``, the reference's VJP (also
+    for a DTensor whose memory has no kernels: its reference math would run op by op)."""
+    if not _gain_kernels(x["q"], x["k"], x["log_alpha"], x["omega"], x["r"], x["precision"],
+                         x["cu_seqlens"]):
+        return "reference"
+    if _memory_kernels(x["q"], x["v"], x["chunk_size"]):
+        return "kernels"
+    return "gain kernels" if plain(x["q"]) else "reference"
+
+
+def _diag_kdn_backward(inputs, grads, saved, path):
     """The gain kernels reversed and the memory's backward, from the forward's saved
-    tensors; the memory through its reference math where its kernels do not run."""
+    tensors, along the forward's :func:`_backward_path`."""
+    if path == "reference":
+        return DIAG_KDN.reference_backward(inputs, grads)
     q, k, v, log_alpha, omega, r, memory, precision, cu_seqlens = (
         inputs[n] for n in ("q", "k", "v", "log_alpha", "omega", "r", "memory", "precision",
                             "cu_seqlens"))
-    memory_kernels = _memory_kernels(q, v, inputs["chunk_size"])
-    # a DTensor's memory without kernels would run the reference math below op by op
-    if not _gain_kernels(q, k, log_alpha, omega, r, precision, cu_seqlens) or not (
-            memory_kernels or plain(q)):
-        return DIAG_KDN.reference_backward(inputs, grads)
     doutput, dmemory, dprecision = grads
-    info_scale = inputs["info_scale"]
-    gain, chunk_cov, final_cov, *two_key_saved = saved
-    dtype = work_dtype(q.dtype)
-    if memory_kernels:
-        dq, dk, dv, dlog_alpha, dgain, dmemory0 = diag_kdn_memory_bwd_op(
-            q, k, v, log_alpha, gain, memory, cu_seqlens, inputs["scale"],
-            inputs["chunk_size"], *two_key_saved, doutput, dmemory)
-    else:
-        with torch.enable_grad():
-            leaves = [x.detach().to(dtype).requires_grad_()
-                      for x in (q, k, v, log_alpha, gain, memory)]
-            output, memory_out = _memory(*leaves, cu_seqlens, inputs["scale"],
-                                         inputs["chunk_size"])
-            # an empty sequence (T = 0) gives an output that depends on nothing
-            pairs = [(o, g) for o, g in ((output, doutput), (memory_out, dmemory))
-                     if o.requires_grad]
-            found = torch.autograd.grad([o for o, _ in pairs], leaves, [g for _, g in pairs],
-                                        allow_unused=True)
-        dq, dk, dv, dlog_alpha, dgain, dmemory0 = (
-            torch.zeros_like(x) if g is None else g for x, g in zip(leaves, found))
+    memory_inputs = {n: saved["gain"] if n == "gain" else inputs[n] for n in MEMORY_ARGUMENTS}
+    if path == "kernels":
+        found = diag_kdn_memory_bwd_op(
+            *memory_inputs.values(), *(saved[n] for n in TWO_KEY_SAVED), doutput, dmemory)
+    else:  # from leaves in the working dtype: the gain kernel adds dk, dlog_alpha from it
+        dtype = work_dtype(q.dtype)
+        leaves = {n: x.to(dtype) if n in MEMORY_GRADS else x for n, x in memory_inputs.items()}
+        found = reference_vjp(_memory, leaves, MEMORY_GRADS, [doutput, dmemory])
+    dq, dk, dv, dlog_alpha, dgain, dmemory0 = found
     # the gain kernel adds the memory's dk, dlog_alpha as it stores its own (in the
     # dtypes of k, log_alpha)
     dk, dlog_alpha, domega, dr, dprecision0 = kalman_gain_bwd_op(
-        k, log_alpha, omega, r, precision, cu_seqlens, chunk_cov, final_cov, dgain, dprecision,
-        dk, dlog_alpha, info_scale)
+        k, log_alpha, omega, r, precision, cu_seqlens, saved["chunk_cov"], saved["final_cov"],
+        dgain, dprecision, dk, dlog_alpha, inputs["info_scale"])
     return {
         "q": dq.to(q.dtype), "k": dk, "v": dv.to(v.dtype), "log_alpha": dlog_alpha,
         "omega": domega, "r": dr, "memory": dmemory0.to(memory.dtype), "precision": dprecision0,
     }
 
 
-DIAG_KDN.attach_autograd(diag_kdn_op, _diag_kdn_backward, saved=len(SAVED))
+DIAG_KDN.attach_autograd(diag_kdn_op, _diag_kdn_backward, saved=SAVED, path=_backward_path)
 
 
 def _mobius_product_signature(maps: Tensor) -> Tensor: ...

@@ -38,18 +38,15 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor.experimental import register_sharding
 
 from kdn_compile.ops import gdn, gdn_wy, kda, kdn
+from kdn_compile.ops._registry import FLAT
 
 _ops = torch.ops.kdn
 
-FLAT = "flat"  # a flat buffer whose per-rank part is contiguous: Shard(0)
-
-# head dims of the inputs of each family (arguments not named: replicated)
+# head dims of the inputs of each family (arguments not named: replicated; FLAT: Shard(0));
+# the kernel ops' saved tensors: their families' declarations (gdn.SAVED, kda.SAVED, ...)
 DELTA = {"q": 2, "k": 2, "v": 2, "g": 2, "beta": 2, "initial_state": 1}
 DIAG_KDN = {"q": 2, "k": 2, "v": 2, "log_alpha": 2, "omega": 2, "r": 2, "memory": 1,
             "precision": 1}
-GDN_SAVED = {"gc": 2, "ai": 2, "aqk": 2, "hs": 1, "hs_scales": 1}  # hs*: state_qdq's chunk states
-TWO_KEY_SAVED = {"c": 1, "qd": 1, "kd": 1, "wl": 1, "tmat": 1, "rmat": 1, "h": 1, "x": 1}
-GAIN_SAVED = {"gain": 2, "chunk_cov": FLAT, "final_cov": 1}  # the gain scan's
 GRADS = {"grad_0": 2, "grad_o": 2, "grad_output": 2, "grad_state": 1, "grad_memory": 1}
 
 
@@ -165,12 +162,12 @@ def _delta_grads(bound, initial="initial_state", count=5):
     return [2] * count + [_optional(1, bound, initial)]
 
 
-def _saved(run: bool, heads: dict, names) -> list:
-    """The head dims of a kernel op's saved outputs ``names``: their ``heads`` where the
-    kernels run (placeholders among them too; None for a name without one, as the
+def _saved(run: bool, saved: dict) -> list:
+    """The head dims of a kernel op's saved outputs (``saved``: its family's declaration):
+    the declared ones where the kernels run (placeholders among them too; None for the
     kernels' chunk maps, the same on every rank), else None (the reference's
     placeholders)."""
-    return [heads.get(n) if run else None for n in names]
+    return [dim if run else None for dim in saved.values()]
 
 
 def gdn_outputs(bound: dict) -> list:
@@ -180,7 +177,7 @@ def gdn_outputs(bound: dict) -> list:
     run = gdn._gdn_kernels(*_meta(bound, "q", "k", "v", "g", "beta", "initial_state",
                                   "cu_seqlens"), bound["chunk_size"], bound["state_qdq"],
                            bound["state_qdq_block_v"])
-    return [2, 1] + _saved(run, GDN_SAVED, gdn.SAVED)
+    return [2, 1] + _saved(run, gdn.SAVED)
 
 
 def _register_delta_rule():
@@ -192,16 +189,16 @@ def _register_delta_rule():
         _rule(op.default, {**DELTA, "grad_0": 2, "grad_1": 1}, _delta_grads)
 
     _rule(_ops.chunk_gdn.default, DELTA, gdn_outputs)
-    _rule(_ops.chunk_gdn_bwd.default, {**DELTA, **GDN_SAVED, **GRADS}, _delta_grads)
+    _rule(_ops.chunk_gdn_bwd.default, {**DELTA, **gdn.SAVED, **GRADS}, _delta_grads)
 
     def kda_outputs(b):
         run = kda._kda_kernels(*_meta(b, "q", "v"), b["chunk_size"])
-        return [2, 1] + _saved(run, TWO_KEY_SAVED, kda.SAVED)
+        return [2, 1] + _saved(run, kda.SAVED)
 
     _rule(_ops.chunk_kda.default, DELTA, kda_outputs)
-    _rule(_ops.chunk_kda_bwd.default, {**DELTA, **TWO_KEY_SAVED, **GRADS}, _delta_grads)
+    _rule(_ops.chunk_kda_bwd.default, {**DELTA, **kda.SAVED, **GRADS}, _delta_grads)
 
-    wy_operands = {"k": 2, "v": 2, "g": 2, "beta": 2, "gc": 2, "ai": 2, "grad_w": 2,
+    wy_operands = {"k": 2, "v": 2, "g": 2, "beta": 2, **gdn_wy.OPERANDS_SAVED, "grad_w": 2,
                    "grad_u": 2}
     _rule(_ops.gdn_wy_operands_reference.default, wy_operands, [2, 2])
     _rule(_ops.gdn_wy_operands_reference_bwd.default, {**wy_operands, "grad_1": 2, **GRADS},
@@ -214,19 +211,19 @@ def _register_delta_rule():
     def wy_operands_outputs(b):
         run = gdn_wy._operand_kernels(*_meta(b, "k", "v", "g", "beta", "cu_seqlens"),
                                       b["chunk_size"])
-        return [2, 2] + _saved(run, wy_operands, gdn_wy.OPERANDS_SAVED)
+        return [2, 2] + _saved(run, gdn_wy.OPERANDS_SAVED)
 
     def wy_recurrence_outputs(b):
         run = gdn_wy._recurrence_kernels(
             *_meta(b, "q", "k", "w", "u", "g", "initial_state", "cu_seqlens"),
             b["chunk_size"], b["state_qdq"], b["state_qdq_block_v"])
-        return [2, 1] + _saved(run, GDN_SAVED, gdn_wy.RECURRENCE_SAVED)
+        return [2, 1] + _saved(run, gdn_wy.RECURRENCE_SAVED)
 
     _rule(_ops.gdn_wy_operands.default, wy_operands, wy_operands_outputs)
     _rule(_ops.gdn_wy_operands_bwd.default, wy_operands, [2, 2, 2, 2])
     _rule(_ops.gdn_wy_recurrence.default, wy_recurrence, wy_recurrence_outputs)
     _rule(_ops.gdn_wy_recurrence_bwd.default,
-          {**wy_recurrence, "gc": 2, "aqk": 2, "hs": 1, "hs_scales": 1, **GRADS},
+          {**wy_recurrence, **gdn_wy.RECURRENCE_SAVED, **GRADS},
           lambda b: [2] * 5 + [_optional(1, b, "initial_state")])
 
 
@@ -240,15 +237,14 @@ def _register_diag_kdn():
             b, "q", "k", "v", "log_alpha", "omega", "r", "precision", "cu_seqlens")
         gains = kdn._gain_kernels(q, k, log_alpha, omega, r, precision, cu)
         memory = gains and kdn._memory_kernels(q, v, b["chunk_size"])
-        return [2, 1, 1] + _saved(gains, GAIN_SAVED, kdn.GAIN_SAVED) + (
-            _saved(memory, TWO_KEY_SAVED, kda.SAVED))
+        return [2, 1, 1] + _saved(gains, kdn.GAIN_SAVED) + _saved(memory, kdn.TWO_KEY_SAVED)
 
     _rule(_ops.diag_kdn.default, DIAG_KDN, diag_kdn_outputs)
     _rule(_ops.diag_kdn_memory_bwd.default,
-          {"q": 2, "k": 2, "v": 2, "log_alpha": 2, "gain": 2, "memory": 1, **TWO_KEY_SAVED,
+          {"q": 2, "k": 2, "v": 2, "log_alpha": 2, "gain": 2, "memory": 1, **kdn.TWO_KEY_SAVED,
            **GRADS}, [2] * 5 + [1])
     _rule(_ops.kalman_gain_bwd.default,
-          {"k": 2, "log_alpha": 2, "omega": 2, "r": 2, "precision": 1, **GAIN_SAVED,
+          {"k": 2, "log_alpha": 2, "omega": 2, "r": 2, "precision": 1, **kdn.GAIN_SAVED,
            "dgain": 2, "dprecision": 1, "dk_add": 2, "dlog_alpha_add": 2},
           [2, 2, 2, 2, 1])
     _rule(_ops.mobius_product_reference.default, {"maps": 2}, [1])

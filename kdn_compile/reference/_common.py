@@ -6,11 +6,14 @@ import torch
 
 
 def work_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype the references accumulate in: float32 for half types, else ``dtype``."""
+    """The working dtype of ``dtype`` inputs, ``promote_types(dtype, float32)``: float32 for
+    half and float32 inputs, float64 for float64. The references accumulate in it, and the
+    recurrent states (the ops' and the layers') are kept in it."""
     return torch.promote_types(dtype, torch.float32)
 
 
 def to_work(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` in its :func:`work_dtype`."""
     return tensor.to(work_dtype(tensor.dtype))
 
 

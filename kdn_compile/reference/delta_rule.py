@@ -20,7 +20,7 @@ from typing import Callable
 
 import torch
 
-from kdn_compile._checks import check_delta_inputs
+from kdn_compile._checks import check_delta_inputs, num_sequences
 from kdn_compile.reference._common import (
     causal_mask,
     decay_between,
@@ -47,7 +47,7 @@ def _prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens, state_v_first):
     """Head-major working copies, the default scale and a key-first initial state."""
     hv = v.shape[2]
     dtype = work_dtype(q.dtype)
-    n = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    n = num_sequences(q.shape[0], cu_seqlens)
     if scale is None:
         scale = q.shape[-1] ** -0.5
     if initial_state is None:
@@ -298,7 +298,7 @@ def gdn_wy_recurrence_reference(
     """
     hv = u.shape[2]
     dtype = work_dtype(q.dtype)
-    n = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    n = num_sequences(q.shape[0], cu_seqlens)
     if scale is None:
         scale = q.shape[-1] ** -0.5
     if initial_state is None:

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from kdn_compile.reference._common import to_work
+
 E4M3_MAX = 448.0
 # The smallest scale kept: the smallest normal float32. Below it a scale would lose bits or
 # underflow to 0 (and 0 / 0 = NaN); such a tile takes scale 1 instead.
@@ -64,7 +66,7 @@ def quantize_state_fp8(
         rounding (to nearest, ties to even) happen in that dtype; ``|state / scale| <= 448``.
     """
     with torch.no_grad():
-        tiles = _tiles(state, block_v).to(torch.promote_types(state.dtype, torch.float32))
+        tiles = to_work(_tiles(state, block_v))
         # Scales in float32 at least: amax / 448 underflows in float16.
         scales = e4m3_scale(tiles.abs().amax(dim=(-3, -1)))
         values = (tiles / scales[..., None, :, None]).to(torch.float8_e4m3fn)
