@@ -271,14 +271,16 @@ def check_delta_inputs(
 
 
 def check_kdn_inputs(
-    q, k, v, log_alpha, omega, r, memory, precision, *, cu_seqlens=None, chunk_size=NOT_CHUNKED
+    q, k, v, log_alpha, omega, r, memory, precision, *, cu_seqlens=None, chunk_size=NOT_CHUNKED,
+    pools=False,
 ) -> None:
-    """Validate the arguments of :func:`kdn_compile.diag_kdn`."""
+    """Validate the arguments of :func:`kdn_compile.diag_kdn`; ``pools``: the decode step's
+    call, whose memory and precision are its pools (None here, checked by the caller)."""
     for name, t in (("q", q), ("k", k), ("log_alpha", log_alpha), ("omega", omega)):
         check_tensor(name, t, layout="BTHK")
     check_tensor("v", v, layout="BTHV")
     check_tensor("r", r, layout="BTH")
-    if memory is not None or precision is not None:  # None: the decode step's pools
+    if not pools:
         check_tensor("memory", memory, layout="NHKV")
         check_tensor("precision", precision, layout="NHK")
     check_same_device(
@@ -362,6 +364,12 @@ def check_slot_values(indices: torch.Tensor, slots: int, name: str = "state_indi
     ordered = indices.sort().values
     repeated = (ordered[1:] == ordered[:-1]) & (ordered[1:] >= 0)
     torch._assert_async(~repeated.any() & (ordered[-1:] < slots).all(), slot_error(name))
+
+
+def check_callable(name: str, value) -> None:
+    """None or a callable."""
+    if value is not None and not callable(value):
+        fail(TypeError, f"{name} must be None or callable, got {type_name(value)}")
 
 
 def check_flag(name: str, value) -> None:

@@ -27,6 +27,7 @@ import torch
 import kdn_compile.ops  # noqa: F401  (registers torch.ops.kdn)
 from kdn_compile._backend import prefer_kernels
 from kdn_compile._checks import (
+    check_callable,
     check_delta_inputs,
     check_flag,
     check_no_tangents,
@@ -182,6 +183,7 @@ def chunk_gdn(
     )
     check_flag("state_v_first", state_v_first)
     check_flag("state_qdq", state_qdq)
+    check_callable("w_quantizer", w_quantizer)
     check_values("chunk_gdn", resets=True, q=q, k=k, v=v, g=g, beta=beta,
                  initial_state=initial_state)
     check_no_tangents("chunk_gdn", q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state)

@@ -212,7 +212,7 @@ def diag_kdn_decode(
     Source: the Diagonal KDN specification; :func:`kdn_compile.reference.pools.diag_kdn_decode_reference`
     is the exact oracle.
     """
-    check_kdn_inputs(q, k, v, log_alpha, omega, r, None, None)
+    check_kdn_inputs(q, k, v, log_alpha, omega, r, None, None, pools=True)
     _check_tokens(q)
     _check_inference(q=q, k=k, v=v, log_alpha=log_alpha, omega=omega, r=r,
                      memory_pool=memory_pool, precision_pool=precision_pool)

@@ -168,6 +168,8 @@ CASES = [
     ("gdn-w-shape", on(chunk_gdn, gdn, w_quantizer=_w_wrong_shape), VE,
      r"w_quantizer must return W's shape \(2, 8, 4, 4\) = \[B, T, Hv, K\] on cpu, "
      r"got \(2, 4, 4, 4\)"),
+    ("gdn-w-not-callable", on(chunk_gdn, gdn, w_quantizer=3), TE,
+     r"w_quantizer must be None or callable, got int"),
     ("gdn-w-none", on(chunk_gdn, gdn, w_quantizer=lambda w: None), TE,
      r"w_quantizer must return a float tensor, got NoneType"),
     ("gdn-w-detached", on(chunk_gdn, lambda: delta_inputs(B=2, T=8, Hk=2, Hv=4, K=4, V=3,
@@ -192,6 +194,8 @@ CASES = [
      r"r must have shape \(2, 9, 2\) = \[B, T, H\], got \(2, 9, 3\)"),
     ("kdn-v-heads", on(diag_kdn, kdn, v=zeros(2, 9, 3, 3)), VE,
      r"v must be \[B=2, T=9, H=2, V\], got \(2, 9, 3, 3\)"),
+    ("kdn-no-state", on(diag_kdn, kdn, memory=None, precision=None), TE,
+     r"memory must be a torch.Tensor, got NoneType"),
     ("kdn-memory-shape", on(diag_kdn, kdn, memory=zeros(2, 2, 4, 5)), VE,
      r"memory must have shape \(2, 2, 4, 3\), got \(2, 2, 4, 5\)"),
     ("kdn-precision-shape", on(diag_kdn, kdn, precision=zeros(1, 2, 4)), VE,

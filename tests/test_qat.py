@@ -67,6 +67,18 @@ def test_qdq_kernel_is_the_reference_bit_for_bit(shape, block_v, dtype):
     assert same_bits(state_fp8_qdq_fwd(x, block_v), state_fp8_qdq_reference(x, block_v))
 
 
+def test_reference_tile_wider_than_v_is_one_tile_without_padding():
+    """A ``block_v`` at or above V is one scale tile of the whole state, as the kernels take
+    it: the same bits as ``block_v = V``, and no padding allocated (2^40 columns would not
+    fit in memory)."""
+    x = torch.randn(2, 16, 12, generator=torch.Generator().manual_seed(5))
+    expected = state_fp8_qdq_reference(x, 12)
+    for block_v in (13, 64, 2 ** 40):
+        assert same_bits(state_fp8_qdq_reference(x, block_v), expected), block_v
+    values, scales = quantize_state_fp8(x, 2 ** 40)
+    assert scales.shape == (2, 1) and same_bits(values, quantize_state_fp8(x, 12)[0])
+
+
 # -- the scale rule: amax * (1 / 448), or 1 below 2^-126 (the tile then stores zeros) ------------
 
 # Tile amaxes from 0 through float32 subnormals and the threshold (448 * 2^-126 ~ 5.27e-36

@@ -10,7 +10,7 @@ from torch import nn
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from kdn_compile.api import chunk_gdn, chunk_kda, recurrent_delta_rule
-from kdn_compile._checks import check_flag, check_state, fail, num_sequences
+from kdn_compile._checks import check_callable, check_flag, check_state, fail, num_sequences
 from kdn_compile.layers._serving import SlotCache, load_state, store_state
 from kdn_compile.layers._state import LayerState, signature, state_entries
 from kdn_compile.reference._common import to_work, work_dtype
@@ -127,9 +127,7 @@ class GatedDeltaNet(SlotCache, nn.Module):
                     num_v_heads=num_v_heads, head_v_dim=head_v_dim, conv_size=conv_size,
                     chunk_size=chunk_size, state_qdq_block_v=state_qdq_block_v)
         check_flag("state_qdq", state_qdq)
-        if w_quantizer is not None and not callable(w_quantizer):
-            raise TypeError(f"w_quantizer must be None or callable, got "
-                            f"{type(w_quantizer).__name__}")
+        check_callable("w_quantizer", w_quantizer)
         if self.gate_per_key and (state_qdq or w_quantizer is not None):
             raise ValueError(f"{type(self).__name__} takes no state_qdq or w_quantizer: "
                              f"the chunked KDA op has neither")

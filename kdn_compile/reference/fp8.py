@@ -48,7 +48,10 @@ def e4m3_scale(amax: torch.Tensor) -> torch.Tensor:
 
 
 def _tiles(state: torch.Tensor, block_v: int) -> torch.Tensor:
-    """``[..., K, V]`` -> ``[..., K, n_tiles, block_v]``, the last tile zero-padded."""
+    """``[..., K, V]`` -> ``[..., K, n_tiles, width]``, the last tile zero-padded; ``width =
+    min(block_v, V)`` (at least 1): one tile where ``block_v >= V``, the same scale as a
+    ``block_v``-wide tile of zero padding, without allocating the padding."""
+    block_v = max(1, min(block_v, state.shape[-1]))
     tiles = torch.nn.functional.pad(state, (0, (-state.shape[-1]) % block_v))
     return tiles.unflatten(-1, (tiles.shape[-1] // block_v, block_v))
 
