@@ -284,10 +284,10 @@ class FamilyOps:
 
         With ``saved`` (a family's declaration: name to head dimension, in order), ``op``
         returns the family's outputs followed by one tensor per name that only the backward
-        reads (the kernels' saved tensors; a branch without them returns placeholders):
+        reads (the kernels' saved tensors; the reference path returns placeholders for them):
         they are not differentiable, their gradients are never formed, and the backward
-        gets them by name, ``saved={name: tensor}``. With ``path``, ``path(inputs)`` names
-        the branch that the forward took: it is evaluated as the forward returns (in
+        gets them by name, ``saved={name: tensor}``. With ``path``, ``path(inputs)`` says
+        whether the forward ran its kernels: it is evaluated as the forward returns (in
         ``setup_context``, on the inputs as the forward saw them), kept on the autograd
         context, which a traced graph keeps too, and handed to the backward as ``path=``.
         A gradient of an unused output is zeros of the fake's shape, formed here rather
