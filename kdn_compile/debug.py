@@ -13,9 +13,8 @@ and before its op, that
 * every float tensor input is finite (no NaN, no ``inf``),
 * gates are natural-log decays: ``g <= 0`` (Diag-KDN: ``log_alpha <= 0``); a gate
   of ``-inf`` (a hard reset) passes where the function takes it, in
-  :func:`~kdn_compile.chunk_gdn`, :func:`~kdn_compile.recurrent_delta_rule` and
-  :func:`~kdn_compile.delta_rule_decode` (not in :func:`~kdn_compile.chunk_kda`,
-  whose reference gives NaN for it),
+  :func:`~kdn_compile.chunk_gdn`, :func:`~kdn_compile.chunk_kda`,
+  :func:`~kdn_compile.recurrent_delta_rule` and :func:`~kdn_compile.delta_rule_decode`,
 * Diag-KDN's noises and precision are in their domain: ``omega >= 0``,
   ``r > 0``, ``precision > 0``;
 

@@ -145,10 +145,13 @@ def gdn_gate(g: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor | None 
     in float32 (float64 for float64 ``g``).
 
     Raises:
-        TypeError, ValueError: ``A_log`` / ``dt_bias`` not float tensors of ``Hv`` elements
-            on ``g``'s device.
+        TypeError, ValueError: ``A_log`` missing, or ``A_log`` / ``dt_bias`` not float
+            tensors of ``Hv`` elements on ``g``'s device.
 
     Source: FLA's in-kernel gate of ``chunk_gated_delta_rule(use_gate_in_kernel=True)``."""
+    check_tensor("g", g)
+    if A_log is None:
+        fail(TypeError, "A_log must be a torch.Tensor of Hv elements, got None")
     hv = g.shape[-1]
     A_log = _head_params("A_log", A_log, hv, "[Hv]", g)
     dt_bias = _head_params("dt_bias", dt_bias, hv, "[Hv]", g)
@@ -167,10 +170,15 @@ def kda_gate(g: torch.Tensor, A_log: torch.Tensor | None, dt_bias: torch.Tensor 
     ``lower_bound * sigmoid(g + dt_bias)``).
 
     Raises:
-        TypeError, ValueError: ``A_log`` (``Hv`` elements) or ``dt_bias`` (``Hv * K``) not
-            float tensors of that size on ``g``'s device.
+        TypeError, ValueError: ``A_log`` missing without ``lower_bound``, or ``A_log``
+            (``Hv`` elements) or ``dt_bias`` (``Hv * K``) not float tensors of that size
+            on ``g``'s device.
 
     Source: FLA's ``fla.ops.kda.gate`` (``kda_gate_fwd``)."""
+    check_tensor("g", g)
+    if A_log is None and lower_bound is None:
+        fail(TypeError, "A_log must be a torch.Tensor of Hv elements when lower_bound is "
+                        "not set, got None")
     hv, dk = g.shape[-2], g.shape[-1]
     A_log = _head_params("A_log", A_log, hv, "[Hv]", g)
     dt_bias = _head_params("dt_bias", dt_bias, hv * dk, "[Hv * K]", g)
@@ -187,7 +195,9 @@ def kda_gate(g: torch.Tensor, A_log: torch.Tensor | None, dt_bias: torch.Tensor 
 def _check_gate_args(use_gate_in_kernel, A_log, lower_bound=None, *, kda: bool) -> None:
     check_flag("use_gate_in_kernel", use_gate_in_kernel)
     if lower_bound is not None:
-        check_float("lower_bound", lower_bound)  # finite
+        # a natural-log decay lower_bound * sigmoid(.) is <= 0 only for a negative bound
+        if check_float("lower_bound", lower_bound) >= 0:
+            fail(ValueError, f"lower_bound must be negative, got {shown(lower_bound)}")
     if use_gate_in_kernel and A_log is None and lower_bound is None:
         fail(ValueError, "A_log must be provided when use_gate_in_kernel=True"
                          + (" and lower_bound is not set" if kda else ""))

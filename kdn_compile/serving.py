@@ -108,8 +108,8 @@ def delta_rule_decode(
             state decayed to almost nothing) is stored as zeros with scale 1, as a fresh
             slot is.
         intermediate_states: optional ``[B, T, Hv, K, V]`` (value-major with
-            ``state_v_first``) float32 or bfloat16 (float64 with a float64 pool),
-            contiguous: receives the state after every token, so a verifier can roll back
+            ``state_v_first``) float32, bfloat16 or float64 (a float64 pool takes
+            float64 only; float64 runs the exact reference), contiguous: receives the state after every token, so a verifier can roll back
             to the last accepted token. Padding rows leave theirs untouched.
 
     Returns:

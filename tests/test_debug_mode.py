@@ -86,9 +86,9 @@ CASES = [
     (_chunk_gdn, "chunk_gdn", _delta, "q", float("inf"), "finite"),
     (_chunk_gdn, "chunk_gdn", _delta, "beta", float("nan"), "finite"),
     (_chunk_gdn, "chunk_gdn", _delta, "initial_state", float("nan"), "finite"),
-    (_chunk_kda, "chunk_kda", lambda: _delta(per_key=True), "g", 1e-3, "finite and <= 0"),
-    (_chunk_kda, "chunk_kda", lambda: _delta(per_key=True), "g", float("-inf"),
-     "finite and <= 0"),
+    (_chunk_kda, "chunk_kda", lambda: _delta(per_key=True), "g", 1e-3, "<= 0 and not NaN"),
+    (_chunk_kda, "chunk_kda", lambda: _delta(per_key=True), "g", float("nan"),
+     "<= 0 and not NaN"),
     (_recurrent, "recurrent_delta_rule", _delta, "k", float("nan"), "finite"),
     (_recurrent, "recurrent_delta_rule", _delta, "g", float("nan"), "<= 0 and not NaN"),
     (_diag_kdn, "diag_kdn", _kdn, "log_alpha", 0.1, "finite and <= 0"),
@@ -114,9 +114,9 @@ def test_eager_error_names_function_and_argument(debug_on, fn, function, make, n
 
 
 @pytest.mark.parametrize("fn,per_key", [
-    (_chunk_gdn, False), (_recurrent, False), (_recurrent, True), (_delta_rule_decode, False),
-    (_delta_rule_decode, True),
-], ids=["chunk_gdn", "recurrent", "recurrent-per-key", "decode", "decode-per-key"])
+    (_chunk_gdn, False), (_chunk_kda, True), (_recurrent, False), (_recurrent, True),
+    (_delta_rule_decode, False), (_delta_rule_decode, True),
+], ids=["chunk_gdn", "chunk_kda", "recurrent", "recurrent-per-key", "decode", "decode-per-key"])
 def test_minus_inf_gates_pass_as_hard_resets(debug_on, fn, per_key):
     """A gate of -inf is a hard reset where the function takes it: debug mode lets it through
     and the output is the float64 token loop's."""

@@ -369,7 +369,22 @@ BAD_SHAPES = [
      TypeError, r"g must be a torch.Tensor, got NoneType"),
     ("chunk_kda", {"use_gate_in_kernel": True, "lower_bound": math.nan}, ValueError,
      r"lower_bound must be finite, got nan"),
+    ("chunk_kda", {"use_gate_in_kernel": True, "lower_bound": 0.5}, ValueError,
+     r"lower_bound must be negative, got 0.5"),
+    ("fused_recurrent_kda", {"use_gate_in_kernel": True, "lower_bound": 0.0}, ValueError,
+     r"lower_bound must be negative, got 0.0"),
 ]
+
+
+@pytest.mark.parametrize("gate,args,message", [
+    ("gdn_gate", (torch.zeros(2, 3, HV), None), r"A_log must be a torch.Tensor of Hv elements, got None"),
+    ("kda_gate", (torch.zeros(2, 3, HV, K), None),
+     r"A_log must be a torch.Tensor of Hv elements when lower_bound is not set, got None"),
+    ("gdn_gate", (None, torch.zeros(HV)), r"g must be a torch.Tensor, got NoneType"),
+])
+def test_gate_helpers_name_a_missing_tensor(gate, args, message):
+    with pytest.raises(TypeError, match=message):
+        getattr(fla, gate)(*args)
 
 
 @pytest.mark.parametrize("mode", ["eager", "compiled"])

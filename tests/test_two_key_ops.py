@@ -176,15 +176,21 @@ def test_diag_kdn_op_half_keys_and_values():
 
 
 @kernels
-def test_chunk_kda_op_floors_gates_below_the_kernel_bound():
+@pytest.mark.parametrize("reset", [False, True], ids=["deep", "minus_inf"])
+def test_chunk_kda_op_floors_gates_below_the_kernel_bound(reset):
     """Gates far below ``LOG_DECAY_BOUND`` (e.g. -60, a KDA layer at the top of its
-    init range) give finite results equal to the reference's, with zero ``dg`` there."""
+    init range), or ``-inf`` (a hard reset of some channels at some tokens), give finite
+    results equal to the reference's, with zero ``dg`` there."""
     import kdn_compile
     from kdn_compile.reference import chunk_kda_reference
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     B, T, H, K = 1, 40, 1, 16
-    x = delta_inputs(B, T, H, H, K, K, per_key=True, seed=5, gate_scale=60.0, with_state=False)
+    x = delta_inputs(B, T, H, H, K, K, per_key=True, seed=5, gate_scale=1.0 if reset else 60.0,
+                     with_state=False)
+    if reset:
+        x["g"][:, 10:13, :, :5] = -torch.inf
+        x["g"][:, 30, :, 8:] = -torch.inf
     o_ref, s_ref = chunk_kda_reference(**x, chunk_size=64)
     dev = {n: t.to(device, torch.float32).requires_grad_() for n, t in x.items()}
     with kdn_compile.use_backend("triton"):
