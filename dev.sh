@@ -142,13 +142,21 @@ gpu() {
     exec "$python" -m pytest tests -m "$select" -p no:cacheprovider "${parallel[@]}" "$@"
 }
 
+# `tests` unless the arguments name test files or folders (a path, or path::test) themselves.
+test_paths() {
+    for arg in "$@"; do
+        [ -e "${arg%%::*}" ] && case "$arg" in -*) ;; *) return ;; esac
+    done
+    echo tests
+}
+
 task=${1:-}
 [ $# -gt 0 ] && shift
 case "$task" in
     demo)  setup; exec kdn-compile demo "$@" ;;
     check) setup; exec kdn-compile check "$@" ;;
     bench) setup; exec kdn-compile bench "$@" ;;
-    test)  setup "${TEST_PINS[@]}"; exec python -m pytest tests "$@" ;;
+    test)  setup "${TEST_PINS[@]}"; exec python -m pytest $(test_paths "$@") "$@" ;;
     gpu)   gpu "$@" ;;
     docs)  setup "${DOCS_PINS[@]}"; exec python -m sphinx -W --keep-going -b html docs docs/_build/html "$@" ;;
     *)     sed -n '2,11p' "$0"; exit 2 ;;

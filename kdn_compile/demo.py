@@ -436,7 +436,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--no-compile", action="store_true", help="train eagerly instead of torch.compile")
     add("--compile-backend", default="inductor",
         help="torch.compile backend (default inductor; aot_eager skips code generation)")
-    add("--seed", type=int, default=0, help="seed of the weights, batches and sampling")
+    add("--seed", type=int, default=0, help="seed of the weights, batches and sampling (default 0)")
     add("--threads", type=_at_least(1), default=1,
         help="CPU threads (default 1: this model is too small to gain much from more, and "
              "spinning threads slow it down many times over on a busy machine)")

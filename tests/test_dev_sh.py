@@ -95,6 +95,18 @@ def test_a_second_run_installs_nothing_and_runs_the_task(tmp_path):
     assert done.stdout == "python -m pytest tests -q\n"
 
 
+def test_test_paths_given_replace_the_whole_suite(tmp_path):
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_x.py").write_text("")
+    for args, expected in [
+        (("-q", "tests/test_x.py"), "python -m pytest -q tests/test_x.py\n"),
+        (("tests/test_x.py::test_a",), "python -m pytest tests/test_x.py::test_a\n"),
+        (("-k", "gdn"), "python -m pytest tests -k gdn\n"),
+    ]:
+        done, _ = dev_sh(tmp_path, "test", *args, present=EVERYTHING, installed=True)
+        assert done.stdout == expected, (args, done.stdout, done.stderr)
+
+
 def test_the_transformers_pin_is_the_test_extra_pin():
     tomllib = pytest.importorskip("tomllib")
     extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
