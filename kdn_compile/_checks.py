@@ -142,6 +142,8 @@ def check_chunk_size(chunk_size) -> None:
         fail(ValueError, f"chunk_size must be a positive finite int, got {shown(chunk_size)}")
     if chunk_size != int(chunk_size) or chunk_size < 1:
         fail(ValueError, f"chunk_size must be a positive finite int, got {shown(chunk_size)}")
+    if chunk_size >= 2**63:  # the ops take int64
+        fail(ValueError, f"chunk_size must be below 2**63, got {shown(chunk_size)}")
 
 
 def tracing(x: torch.Tensor | None = None) -> bool:
@@ -334,9 +336,11 @@ def check_pool(name: str, pool, layout: str, row_shape: tuple, dtypes: tuple, de
     return pool.shape[0]
 
 
-def check_slot_indices(indices, batch, slots, device, name: str = "state_indices") -> None:
-    """``name [B]`` (the slot indices) int32/int64 on ``device`` (shape, dtype, device; the
-    values are checked by the ops: :func:`check_slot_values`, or in the decode kernels)."""
+def check_slot_indices(indices, batch, slots, device, name: str = "state_indices",
+                       beside: str = "q") -> None:
+    """``name [B]`` (the slot indices) int32/int64 on ``device``, the device of the argument
+    ``beside`` (shape, dtype, device; the values are checked by the ops:
+    :func:`check_slot_values`, or in the decode kernels)."""
     if not isinstance(indices, torch.Tensor):
         fail(TypeError, f"{name} must be a torch.Tensor, got {type_name(indices)}")
     if indices.dtype not in (torch.int32, torch.int64):
@@ -344,7 +348,7 @@ def check_slot_indices(indices, batch, slots, device, name: str = "state_indices
     if tuple(indices.shape) != (batch,):
         fail(ValueError, f"{name} must be [B] = {dims((batch,))}, got {dims(indices.shape)}")
     if indices.device != device:
-        fail(ValueError, f"{name} is on {indices.device} but q is on {device}")
+        fail(ValueError, f"{name} is on {indices.device} but {beside} is on {device}")
 
 
 def slot_error(name: str) -> str:

@@ -80,8 +80,12 @@ def _check_w(w, expected: torch.Tensor) -> None:
 
 
 def _block_v(block_v, name: str = "state_qdq_block_v") -> int:
-    if isinstance(block_v, bool) or not isinstance(block_v, int) or block_v < 1:
+    if isinstance(block_v, bool) or not isinstance(block_v, int):
+        fail(TypeError, f"{name} must be a positive int, got {type_name(block_v)}")
+    if block_v < 1:
         fail(ValueError, f"{name} must be a positive int, got {shown(block_v)}")
+    if block_v >= 2**63:  # the ops take int64
+        fail(ValueError, f"{name} must be below 2**63, got {shown(block_v)}")
     return block_v
 
 

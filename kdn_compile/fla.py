@@ -104,7 +104,11 @@ def _non_default(**given) -> dict:
 def l2norm(x: torch.Tensor) -> torch.Tensor:
     """FLA's L2 normalization along the last dim, ``x / sqrt(sum(x**2) + 1e-6)``, in
     float32 (float64 for float64 ``x``), returned in ``x``'s dtype (the layers' own).
+    Raises:
+        TypeError: ``x`` not a float16, bfloat16, float32 or float64 tensor.
+
     Source: FLA's ``fla.modules.l2norm`` (``eps = 1e-6``)."""
+    check_tensor("x", x)
     return l2_normalize(x, L2NORM_EPS)
 
 
@@ -145,11 +149,11 @@ def gdn_gate(g: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor | None 
     in float32 (float64 for float64 ``g``).
 
     Raises:
-        TypeError, ValueError: ``A_log`` missing, or ``A_log`` / ``dt_bias`` not float
-            tensors of ``Hv`` elements on ``g``'s device.
+        TypeError, ValueError: ``g`` not a float tensor of 3 dims; ``A_log`` missing, or
+            ``A_log`` / ``dt_bias`` not float tensors of ``Hv`` elements on ``g``'s device.
 
     Source: FLA's in-kernel gate of ``chunk_gated_delta_rule(use_gate_in_kernel=True)``."""
-    check_tensor("g", g)
+    check_tensor("g", g, layout="BTH")
     if A_log is None:
         fail(TypeError, "A_log must be a torch.Tensor of Hv elements, got None")
     hv = g.shape[-1]
@@ -170,12 +174,15 @@ def kda_gate(g: torch.Tensor, A_log: torch.Tensor | None, dt_bias: torch.Tensor 
     ``lower_bound * sigmoid(g + dt_bias)``).
 
     Raises:
-        TypeError, ValueError: ``A_log`` missing without ``lower_bound``, or ``A_log``
-            (``Hv`` elements) or ``dt_bias`` (``Hv * K``) not float tensors of that size
-            on ``g``'s device.
+        TypeError, ValueError: ``g`` not a float tensor of 4 dims; ``lower_bound`` not a
+            finite float; ``A_log`` missing without ``lower_bound``, or ``A_log`` (``Hv``
+            elements) or ``dt_bias`` (``Hv * K``) not float tensors of that size on
+            ``g``'s device.
 
     Source: FLA's ``fla.ops.kda.gate`` (``kda_gate_fwd``)."""
-    check_tensor("g", g)
+    check_tensor("g", g, layout="BTHK")
+    if lower_bound is not None:
+        lower_bound = check_float("lower_bound", lower_bound)
     if A_log is None and lower_bound is None:
         fail(TypeError, "A_log must be a torch.Tensor of Hv elements when lower_bound is "
                         "not set, got None")
@@ -195,9 +202,7 @@ def kda_gate(g: torch.Tensor, A_log: torch.Tensor | None, dt_bias: torch.Tensor 
 def _check_gate_args(use_gate_in_kernel, A_log, lower_bound=None, *, kda: bool) -> None:
     check_flag("use_gate_in_kernel", use_gate_in_kernel)
     if lower_bound is not None:
-        # a natural-log decay lower_bound * sigmoid(.) is <= 0 only for a negative bound
-        if check_float("lower_bound", lower_bound) >= 0:
-            fail(ValueError, f"lower_bound must be negative, got {shown(lower_bound)}")
+        check_float("lower_bound", lower_bound)  # finite
     if use_gate_in_kernel and A_log is None and lower_bound is None:
         fail(ValueError, "A_log must be provided when use_gate_in_kernel=True"
                          + (" and lower_bound is not set" if kda else ""))

@@ -152,6 +152,21 @@ def test_bad_arguments_are_refused(one_rank_group):
     with pytest.raises(ValueError, match="initial_state must have shape"):
         kd.chunk_kda(**delta_inputs(B=1, T=8, N=3, per_key=True),
                      cu_seqlens=torch.tensor([0, 3, 8]))
+    with pytest.raises(TypeError, match="state_qdq must be a bool, got int"):
+        kd.chunk_gdn(**x, cu_seqlens=torch.tensor([0, 3, 8]), state_qdq=0)
+
+
+@pytest.mark.parametrize("change,error,message", [
+    ({"state_qdq": True}, ValueError, "does not take state_qdq=True"),
+    ({"group": "world"}, TypeError, "group must be a torch.distributed.ProcessGroup or None, got str"),
+])
+def test_bad_arguments_are_refused_compiled(one_rank_group, change, error, message):
+    """Under ``torch.compile(fullgraph=True)`` the same errors, message first."""
+    x = delta_inputs(B=1, T=8, N=2)
+    torch._dynamo.reset()
+    call = torch.compile(lambda **kw: kd.chunk_gdn(**kw), fullgraph=True, backend="eager")
+    with pytest.raises(error, match=message):
+        call(**x, cu_seqlens=torch.tensor([0, 3, 8]), **change)
 
 
 def test_exchange_ops_pass_opcheck(one_rank_group):

@@ -369,10 +369,8 @@ BAD_SHAPES = [
      TypeError, r"g must be a torch.Tensor, got NoneType"),
     ("chunk_kda", {"use_gate_in_kernel": True, "lower_bound": math.nan}, ValueError,
      r"lower_bound must be finite, got nan"),
-    ("chunk_kda", {"use_gate_in_kernel": True, "lower_bound": 0.5}, ValueError,
-     r"lower_bound must be negative, got 0.5"),
-    ("fused_recurrent_kda", {"use_gate_in_kernel": True, "lower_bound": 0.0}, ValueError,
-     r"lower_bound must be negative, got 0.0"),
+    ("fused_recurrent_kda", {"use_gate_in_kernel": True, "lower_bound": math.inf}, ValueError,
+     r"lower_bound must be finite, got inf"),
 ]
 
 
@@ -381,10 +379,21 @@ BAD_SHAPES = [
     ("kda_gate", (torch.zeros(2, 3, HV, K), None),
      r"A_log must be a torch.Tensor of Hv elements when lower_bound is not set, got None"),
     ("gdn_gate", (None, torch.zeros(HV)), r"g must be a torch.Tensor, got NoneType"),
+    ("kda_gate", (torch.zeros(2, 3, HV, K), None, None, "x"), r"lower_bound must be a float, got str"),
+    ("l2norm", (torch.tensor([3, 4]),), r"x must be float16, bfloat16, float32 or float64, got torch.int64"),
 ])
 def test_gate_helpers_name_a_missing_tensor(gate, args, message):
     with pytest.raises(TypeError, match=message):
         getattr(fla, gate)(*args)
+
+
+@pytest.mark.parametrize("gate,g,message", [
+    ("gdn_gate", torch.zeros(2, 3, HV, K), r"g must have 3 dims, \[B, T, H\], got shape \(2, 3, 4, 8\)"),
+    ("kda_gate", torch.zeros(2, 3, HV), r"g must have 4 dims, \[B, T, H, K\], got shape \(2, 3, 4\)"),
+])
+def test_gate_helpers_check_the_rank_of_g(gate, g, message):
+    with pytest.raises(ValueError, match=message):
+        getattr(fla, gate)(g, torch.zeros(HV))
 
 
 @pytest.mark.parametrize("mode", ["eager", "compiled"])

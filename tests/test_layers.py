@@ -385,3 +385,27 @@ class TestExport(expecttest.TestCase):
         got, got_state = program.module()(x, cu_seqlens=cu)
         assert_close(got, want, 1e-6, "exported packed gdn")
         assert_states_close(got_state, want_state, 1e-6, "exported packed gdn")
+
+
+@pytest.mark.parametrize("change", ["precision-bf16", "memory-f16", "transposed"])
+def test_diag_kdn_short_step_without_gradients_takes_any_state(change):
+    """Up to 8 tokens without gradients Diag-KDN decodes over a copy of the state; a state
+    the decode pools do not take (another precision dtype, float16 memory, a transposed
+    view) gives what the same step with gradients gives."""
+    layer = make_layer("kdn", torch.float32)
+    with torch.no_grad():
+        _, state = layer(inputs(2, 11, torch.float32))
+    state = dict(state)
+    if change == "precision-bf16":
+        state["precision"] = state["precision"].bfloat16()
+    elif change == "memory-f16":
+        state["memory"] = state["memory"].half()
+    else:
+        state["memory"] = state["memory"].transpose(-1, -2).contiguous().transpose(-1, -2)
+    x = inputs(2, 3, torch.float32, seed=2)
+    with torch.no_grad():
+        y, new = layer(x, state)
+    y_grad, new_grad = layer(x, state)  # parameters require grad: the chunked op
+    assert_close(y, y_grad, 1e-5, f"y, {change}")
+    assert_states_close({k: new[k] for k in ("memory", "precision")},
+                        {k: new_grad[k].detach() for k in ("memory", "precision")}, 1e-5, change)

@@ -273,8 +273,14 @@ def test_bad_arguments_are_rejected_by_name(name):
         layer.step(x, cache, torch.tensor([1, 1]))
     with pytest.raises(ValueError, match=r"x must be \[B, T, D\]"):
         layer.step(x[0], cache, idx)
+    with pytest.raises(ValueError, match="state_indices is on meta but x is on cpu"):
+        layer.step(x, cache, idx.to("meta"))
     with pytest.raises(TypeError, match="slots must be a 1-d int tensor"):
         layer.reset_cache(cache, [0.5])
+    for slots, got in ((None, "got NoneType"), ("0", "got str"), ([2**70], "got \\[")):
+        with pytest.raises(TypeError, match="slots must be a 1-d int tensor or a list of ints.*"
+                                            + got):
+            layer.reset_cache(cache, slots)
     with pytest.raises(RuntimeError, match="slots must be < the pool's slots S"):
         layer.reset_cache(cache, [3])
 

@@ -212,6 +212,9 @@ def _layer_case(mesh, name, compiled, errors):
     case = f"{name} layer" + (" compiled" if compiled else "")
     with torch.no_grad():
         y_tp, state_tp = layer(x)
+        # a short step without gradients (Diag-KDN's decode shortcut on plain tensors)
+        errors[f"{case}: y of 3 tokens, no grad"] = rel_error(layer(x[:, :3])[0],
+                                                             single(x[:, :3])[0])
     errors[f"{case}: y"] = rel_error(y_tp, y)
     for key, value in state.items():
         errors[f"{case}: state {key}"] = rel_error(_full(state_tp[key]), value)

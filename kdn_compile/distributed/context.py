@@ -28,7 +28,9 @@ import torch.distributed as dist
 from torch import Tensor
 
 from kdn_compile import api
-from kdn_compile._checks import check_delta_inputs, check_flag, check_float, check_kdn_inputs
+from kdn_compile._checks import (
+    check_delta_inputs, check_flag, check_float, check_kdn_inputs, fail, type_name,
+)
 from kdn_compile.distributed._layout import SliceLayout
 from kdn_compile.reference._common import state_key_first, work_dtype
 from kdn_compile.reference.kdn import DEFAULT_CHUNK_SIZE, covariance_step_maps
@@ -46,14 +48,13 @@ def group_rank_and_size(group) -> tuple:
         TypeError: ``group`` is not a ProcessGroup.
     """
     if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError(
-            "context parallelism needs an initialized process group: call "
-            "torch.distributed.init_process_group first")
+        fail(RuntimeError, "context parallelism needs an initialized process group: call "
+                           "torch.distributed.init_process_group first")
     if group is None:
         group = dist.group.WORLD
     if not isinstance(group, dist.ProcessGroup):
-        raise TypeError(f"group must be a torch.distributed.ProcessGroup or None, "
-                        f"got {type(group).__name__}")
+        fail(TypeError, f"group must be a torch.distributed.ProcessGroup or None, "
+                        f"got {type_name(group)}")
     return group.group_name, dist.get_rank(group), dist.get_world_size(group)
 
 
@@ -174,8 +175,9 @@ def chunk_gdn(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *,
 
         o, state = kdn_compile.distributed.chunk_gdn(q, k, v, g, beta)  # [B, T/2, ...] each
     """
-    if state_qdq is not False or w_quantizer is not None:
-        raise ValueError("context-parallel chunk_gdn does not take state_qdq=True or a "
+    check_flag("state_qdq", state_qdq)
+    if state_qdq or w_quantizer is not None:
+        fail(ValueError, "context-parallel chunk_gdn does not take state_qdq=True or a "
                          "w_quantizer: a quantized state is not an affine map of the state "
                          "before it, so the ranks' slices cannot be chained")
     del state_qdq_block_v  # meaningful with state_qdq only

@@ -20,6 +20,7 @@ import kdn_compile.ops  # noqa: F401  (registers torch.ops.kdn)
 from kdn_compile._backend import prefer_kernels
 from kdn_compile._checks import check_cu_seqlens, check_pool, check_slot_indices, check_slot_values
 from kdn_compile._checks import check_tensor, dims, fail, listed, num_sequences, sequence_of, shown
+from kdn_compile._checks import type_name
 from kdn_compile.layers._state import LayerCache
 from kdn_compile.reference.fp8 import dequantize_state_fp8, quantize_state_fp8
 from kdn_compile.reference.pools import POOL_BLOCK_V, gather_slots
@@ -179,13 +180,21 @@ class SlotCache:
         """
         device = next(iter(cache.values())).device if isinstance(cache, dict) and cache else None
         count = self._check_cache(cache, device)
+        if not isinstance(slots, (torch.Tensor, list, tuple)):
+            fail(TypeError, f"slots must be a 1-d int tensor or a list of ints, got "
+                            f"{type_name(slots)}")
         # an empty list has no ints to infer the dtype from (as_tensor: float32)
         empty = isinstance(slots, (list, tuple)) and not slots
-        indices = torch.as_tensor(slots, device=device, dtype=torch.long if empty else None)
+        try:
+            indices = torch.as_tensor(slots, device=device, dtype=torch.long if empty else None)
+        except (TypeError, ValueError, RuntimeError, OverflowError) as error:
+            fail(TypeError, f"slots must be a 1-d int tensor or a list of ints (int64), "
+                            f"got {slots!r:.80}: {error}")
         if indices.dtype not in (torch.int32, torch.int64) or indices.dim() != 1:
             fail(TypeError, f"slots must be a 1-d int tensor or a list of ints, got "
                             f"{indices.dtype} of shape {dims(indices.shape)}")
-        check_slot_indices(indices, indices.shape[0], count, device, name="slots")
+        check_slot_indices(indices, indices.shape[0], count, device, name="slots",
+                           beside="the cache")
         check_slot_values(indices, count, name="slots")
         fresh = self._fresh_rows(cache[self._state_key].dtype, device)
         with torch.no_grad():
@@ -237,7 +246,7 @@ class SlotCache:
         slots = self._check_cache(cache, x.device)
         check_cu_seqlens(cu_seqlens, x.shape[0], x.device, x.shape[1])
         rows = num_sequences(x.shape[0], cu_seqlens)
-        check_slot_indices(state_indices, rows, slots, x.device)
+        check_slot_indices(state_indices, rows, slots, x.device, beside="x")
         state_indices = state_indices.contiguous()  # the kernels index it as a dense vector
         # no tokens: the prefill path, whose ops take T == 0 (the decode ops need T >= 1)
         decode = cu_seqlens is None and 1 <= x.shape[1] <= MAX_DECODE_TOKENS

@@ -152,6 +152,15 @@ class DiagKDN(SlotCache, nn.Module):
             any(t.requires_grad for t in tensors) or any(p.requires_grad for p in self.parameters())
         )
 
+    @staticmethod
+    def _decodable(memory, precision) -> bool:
+        """Whether the decode op takes a copy of this state as its pools: plain tensors (not
+        a sharded layer's DTensors) in the pools' dtypes. Other states take
+        :func:`kdn_compile.diag_kdn`, which takes any float state."""
+        plain = type(memory) is torch.Tensor and type(precision) is torch.Tensor
+        return (plain and memory.dtype in (torch.float32, torch.bfloat16, torch.float64)
+                and precision.dtype == work_dtype(memory.dtype))
+
     def forward(
         self,
         x: torch.Tensor,
@@ -178,9 +187,11 @@ class DiagKDN(SlotCache, nn.Module):
             check_state('state["precision"]', precision, (rows, h, self.head_dim))
         scale = self.head_dim**-0.5
         short = cu_seqlens is None and statically_known_true(x.shape[1] <= MAX_DECODE_TOKENS)
-        if short and not self._needs_grad(x, memory, precision):
-            # the decode step over a one-slot-per-row copy of the state
-            memory, precision = memory.detach().clone(), precision.detach().clone()
+        if (short and not self._needs_grad(x, memory, precision)
+                and self._decodable(memory, precision)):
+            # the decode step over a one-slot-per-row (contiguous) copy of the state
+            memory = memory.detach().clone(memory_format=torch.contiguous_format)
+            precision = precision.detach().clone(memory_format=torch.contiguous_format)
             o = diag_kdn_decode(
                 q, k, v, log_alpha, omega, r, memory, precision,
                 torch.arange(rows, device=x.device), scale=scale, info_scale=self.info_scale,
