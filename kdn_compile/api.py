@@ -240,8 +240,8 @@ def chunk_kda(
             it at ``-20`` per token (a state decayed by ``e^-20`` keeps under ``2e-9`` of
             itself, below float32 resolution; ``-inf`` is floored too); the chunked
             reference floors it at ``GDN_GATE_FLOOR = -128`` and differences its in-chunk
-            sums in float64, so any gate ``<= 0`` is an exact hard reset there. Checked in debug mode only
-            (:mod:`kdn_compile.debug`): positive gates summing past about ``+80``
+            sums in float64, so any gate ``<= 0`` is an exact hard reset there. Checked in
+            debug mode only (:mod:`kdn_compile.debug`): positive gates summing past about ``+80``
             within a chunk overflow the kernels' factoring (NaN gradients). Float32
             limits, measured in the interpreter against float64: ``dg`` of channels
             decaying by ``e^-8`` per token or faster loses relative accuracy in the
@@ -265,7 +265,8 @@ def chunk_kda(
         state_v_first=state_v_first, gate="per_key", chunk_size=chunk_size,
     )
     check_flag("state_v_first", state_v_first)
-    check_values("chunk_kda", resets=True, q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state)
+    check_values("chunk_kda", resets=True, q=q, k=k, v=v, g=g, beta=beta,
+                 initial_state=initial_state)
     check_no_tangents("chunk_kda", q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state)
     cu_seqlens = _contiguous(cu_seqlens)
     op = _ops.chunk_kda if prefer_kernels(q.device.type) else _ops.chunk_kda_reference

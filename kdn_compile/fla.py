@@ -104,6 +104,7 @@ def _non_default(**given) -> dict:
 def l2norm(x: torch.Tensor) -> torch.Tensor:
     """FLA's L2 normalization along the last dim, ``x / sqrt(sum(x**2) + 1e-6)``, in
     float32 (float64 for float64 ``x``), returned in ``x``'s dtype (the layers' own).
+
     Raises:
         TypeError: ``x`` not a float16, bfloat16, float32 or float64 tensor.
 

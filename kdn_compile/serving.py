@@ -40,6 +40,8 @@ MAX_DECODE_TOKENS = 8
 
 _POOL_DTYPES = (torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.float64)
 _INTERMEDIATE_DTYPES = (torch.float32, torch.bfloat16, torch.float64)
+# Diag-KDN's memory pools (its precision pools: the working dtype of the memory's)
+KDN_MEMORY_DTYPES = (torch.float32, torch.bfloat16, torch.float64)
 
 
 def _check_inference(**tensors) -> None:
@@ -109,8 +111,9 @@ def delta_rule_decode(
             slot is.
         intermediate_states: optional ``[B, T, Hv, K, V]`` (value-major with
             ``state_v_first``) float32, bfloat16 or float64 (a float64 pool takes
-            float64 only; float64 runs the exact reference), contiguous: receives the state after every token, so a verifier can roll back
-            to the last accepted token. Padding rows leave theirs untouched.
+            float64 only; float64 runs the exact reference), contiguous: receives the
+            state after every token, so a verifier can roll back to the last accepted
+            token. Padding rows leave theirs untouched.
 
     Returns:
         ``o [B, T, Hv, V]`` in ``v``'s dtype, zeros on padding rows.
@@ -218,8 +221,7 @@ def diag_kdn_decode(
                      memory_pool=memory_pool, precision_pool=precision_pool)
     b, _, h, dk = q.shape
     dv = v.shape[3]
-    memory_dtypes = (torch.float32, torch.bfloat16, torch.float64)
-    slots = check_pool("memory_pool", memory_pool, "[S, H, K, V]", (h, dk, dv), memory_dtypes,
+    slots = check_pool("memory_pool", memory_pool, "[S, H, K, V]", (h, dk, dv), KDN_MEMORY_DTYPES,
                        q.device)
     precision_dtype = work_dtype(memory_pool.dtype)
     check_pool("precision_pool", precision_pool, "[S, H, K]", (h, dk), (precision_dtype,),

@@ -158,7 +158,8 @@ def test_bad_arguments_are_refused(one_rank_group):
 
 @pytest.mark.parametrize("change,error,message", [
     ({"state_qdq": True}, ValueError, "does not take state_qdq=True"),
-    ({"group": "world"}, TypeError, "group must be a torch.distributed.ProcessGroup or None, got str"),
+    ({"group": "world"}, TypeError,
+     "group must be a torch.distributed.ProcessGroup or None, got str"),
 ])
 def test_bad_arguments_are_refused_compiled(one_rank_group, change, error, message):
     """Under ``torch.compile(fullgraph=True)`` the same errors, message first."""

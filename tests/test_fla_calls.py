@@ -375,21 +375,26 @@ BAD_SHAPES = [
 
 
 @pytest.mark.parametrize("gate,args,message", [
-    ("gdn_gate", (torch.zeros(2, 3, HV), None), r"A_log must be a torch.Tensor of Hv elements, got None"),
+    ("gdn_gate", (torch.zeros(2, 3, HV), None),
+     r"A_log must be a torch.Tensor of Hv elements, got None"),
     ("kda_gate", (torch.zeros(2, 3, HV, K), None),
      r"A_log must be a torch.Tensor of Hv elements when lower_bound is not set, got None"),
     ("gdn_gate", (None, torch.zeros(HV)), r"g must be a torch.Tensor, got NoneType"),
-    ("kda_gate", (torch.zeros(2, 3, HV, K), None, None, "x"), r"lower_bound must be a float, got str"),
-    ("l2norm", (torch.tensor([3, 4]),), r"x must be float16, bfloat16, float32 or float64, got torch.int64"),
+    ("kda_gate", (torch.zeros(2, 3, HV, K), None, None, "x"),
+     r"lower_bound must be a float, got str"),
+    ("l2norm", (torch.tensor([3, 4]),),
+     r"x must be float16, bfloat16, float32 or float64, got torch.int64"),
 ])
-def test_gate_helpers_name_a_missing_tensor(gate, args, message):
+def test_preprocessing_helpers_name_a_bad_argument(gate, args, message):
     with pytest.raises(TypeError, match=message):
         getattr(fla, gate)(*args)
 
 
 @pytest.mark.parametrize("gate,g,message", [
-    ("gdn_gate", torch.zeros(2, 3, HV, K), r"g must have 3 dims, \[B, T, H\], got shape \(2, 3, 4, 8\)"),
-    ("kda_gate", torch.zeros(2, 3, HV), r"g must have 4 dims, \[B, T, H, K\], got shape \(2, 3, 4\)"),
+    ("gdn_gate", torch.zeros(2, 3, HV, K),
+     r"g must have 3 dims, \[B, T, H\], got shape \(2, 3, 4, 8\)"),
+    ("kda_gate", torch.zeros(2, 3, HV),
+     r"g must have 4 dims, \[B, T, H, K\], got shape \(2, 3, 4\)"),
 ])
 def test_gate_helpers_check_the_rank_of_g(gate, g, message):
     with pytest.raises(ValueError, match=message):

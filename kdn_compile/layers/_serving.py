@@ -180,19 +180,17 @@ class SlotCache:
         """
         device = next(iter(cache.values())).device if isinstance(cache, dict) and cache else None
         count = self._check_cache(cache, device)
+        expected = "slots must be a 1-d int tensor or a list of ints"
         if not isinstance(slots, (torch.Tensor, list, tuple)):
-            fail(TypeError, f"slots must be a 1-d int tensor or a list of ints, got "
-                            f"{type_name(slots)}")
+            fail(TypeError, f"{expected}, got {type_name(slots)}")
         # an empty list has no ints to infer the dtype from (as_tensor: float32)
         empty = isinstance(slots, (list, tuple)) and not slots
         try:
             indices = torch.as_tensor(slots, device=device, dtype=torch.long if empty else None)
         except (TypeError, ValueError, RuntimeError, OverflowError) as error:
-            fail(TypeError, f"slots must be a 1-d int tensor or a list of ints (int64), "
-                            f"got {slots!r:.80}: {error}")
+            fail(TypeError, f"{expected} (int64), got {slots!r:.80}: {error}")
         if indices.dtype not in (torch.int32, torch.int64) or indices.dim() != 1:
-            fail(TypeError, f"slots must be a 1-d int tensor or a list of ints, got "
-                            f"{indices.dtype} of shape {dims(indices.shape)}")
+            fail(TypeError, f"{expected}, got {indices.dtype} of shape {dims(indices.shape)}")
         check_slot_indices(indices, indices.shape[0], count, device, name="slots",
                            beside="the cache")
         check_slot_values(indices, count, name="slots")

@@ -21,7 +21,7 @@ from kdn_compile.reference import (
     kalman_noise,
     normalize_query_key,
 )
-from kdn_compile.serving import MAX_DECODE_TOKENS, diag_kdn_decode
+from kdn_compile.serving import KDN_MEMORY_DTYPES, MAX_DECODE_TOKENS, diag_kdn_decode
 
 
 class DiagKDN(SlotCache, nn.Module):
@@ -158,7 +158,7 @@ class DiagKDN(SlotCache, nn.Module):
         a sharded layer's DTensors) in the pools' dtypes. Other states take
         :func:`kdn_compile.diag_kdn`, which takes any float state."""
         plain = type(memory) is torch.Tensor and type(precision) is torch.Tensor
-        return (plain and memory.dtype in (torch.float32, torch.bfloat16, torch.float64)
+        return (plain and memory.dtype in KDN_MEMORY_DTYPES
                 and precision.dtype == work_dtype(memory.dtype))
 
     def forward(
