@@ -277,8 +277,8 @@ def chunk_gdn_bwd(q, k, v, g, beta, initial_state, cu_seqlens, do, dht, *,
                   prepared=None):
     """Gradients of :func:`chunk_gdn_fwd` for ``do`` (like ``o``) and ``dht`` (like the final state).
 
-    Inputs as :func:`chunk_gdn_fwd`; ``prepared`` is its ``(gc, ai, aqk, hs, hs_scales)``
-    (``hs`` and ``hs_scales`` unused) or None (then the prepare kernel runs again); the
+    Inputs as :func:`chunk_gdn_fwd`; ``prepared`` is its ``(gc, ai, aqk)`` or None (then
+    the prepare kernel runs again); the
     chunk start states are recomputed with ``delta`` (under ``state_qdq``, the forward's
     float8 states bit for bit). With ``state_qdq`` the gradient passes each QDQ unchanged
     (straight-through), so only the start states differ. ``dht`` may be None (zero). Returns
@@ -300,8 +300,8 @@ def chunk_gdn_bwd(q, k, v, g, beta, initial_state, cu_seqlens, do, dht, *,
     qdq_width = qdq_tile_width(dk_, dv_, state_qdq_block_v, k.dtype) if state_qdq else 0
 
     if prepared is None:
-        prepared = (*gdn_prepare(q, k, g, beta, cu_seqlens, layout), None, None)
-    gc, ai, aqk = prepared[:3]
+        prepared = gdn_prepare(q, k, g, beta, cu_seqlens, layout)
+    gc, ai, aqk = prepared
     # With state QDQ this recomputes the forward's float8 states bit for bit (the same
     # kernel and tiles) alongside delta.
     hs, hs_scales, delta = gdn_recompute_states(

@@ -19,15 +19,17 @@ and ``Ai = (I + A)^-1`` (the WY form of
    writes each chunk's start state instead of ``o``, and ``delta`` where ``o`` would go
    when that buffer is given. With ``STATE_QDQ`` (FP8 state
    quantization) a program holds one whole ``[K, block_v]`` scale tile, quantizes the
-   initial state and each chunk's final state (:mod:`.fp8`) and saves each chunk's start
-   state as float8 values and a scale, exactly the state it used. With ``WY`` (the
+   initial state and each chunk's final state (:mod:`.fp8`) and, where asked (the backward's
+   recomputation, the ``w_quantizer`` path's forward), saves each chunk's start state as
+   float8 values and a scale, exactly the state it used. With ``WY`` (the
    ``w_quantizer`` path, :mod:`.chunk_gdn_wy`) ``W`` and ``U`` are given:
    ``delta = U - W S``.
 
-The forward returns ``G``, ``Ai``, ``M`` (and under ``STATE_QDQ`` the float8 start
-states) beside ``o`` and the final state; the backward takes them (``prepared``) and runs
-only the state pass again (none under ``STATE_QDQ``), or runs the prepare kernel itself
-when they are not given.
+The forward returns ``G``, ``Ai``, ``M`` beside ``o`` and the final state; the backward
+takes them (``prepared``), or runs the prepare kernel itself when they are not given, and
+runs the recurrence again for the chunk start states (under ``STATE_QDQ`` the forward's
+float8 states bit for bit; only the ``w_quantizer`` path's forward keeps its float8
+states for its backward).
 
 Gates: each ``g`` is floored at ``GDN_GATE_FLOOR = -128`` as it is loaded (a NaN
 gate stays NaN), as the reference does: any decay through a floored gate is zero in
@@ -420,12 +422,14 @@ def gdn_prepare(q, k, g, beta, cu_seqlens, layout, *, with_m=True, with_ai=True)
 
 
 def _recurrence(q, k, v, gc, beta, ai, aqk, initial_state, cu_seqlens, layout, *,
-                scale, state_v_first, recompute, qdq_block_v=0, w=None, deltas=False):
+                scale, state_v_first, recompute, qdq_block_v=0, w=None, deltas=False,
+                keep_states=False):
     """The recurrence kernel: ``(o, ht, hs, hs_scales)``. ``recompute``: no ``ht``, the start
     state of every chunk in ``hs`` and, with ``deltas``, ``delta`` (like ``v``, in ``k``'s
     dtype) in place of ``o`` (else None). ``qdq_block_v > 0``: state QDQ, one program
-    per scale tile, and ``hs`` (saved on either path) float8 with its ``hs_scales``.
-    ``w``: the WY operands given, ``W`` and ``U`` in ``v`` (``beta``, ``ai`` unused)."""
+    per scale tile, and ``hs`` float8 with its ``hs_scales`` (in the forward only with
+    ``keep_states``; else both None there). ``w``: the WY operands given, ``W`` and ``U``
+    in ``v`` (``beta``, ``ai`` unused)."""
     batch, length, n, hk, hv, dk, dv, bound, offsets, _ = layout
     tile, stages, warps = recurrence_config(dk, dv, k.dtype, n * hv, v.device)
     if qdq_block_v:
@@ -437,10 +441,10 @@ def _recurrence(q, k, v, gc, beta, ai, aqk, initial_state, cu_seqlens, layout, *
         ht = torch.empty(shape, dtype=torch.float32, device=v.device)
     elif deltas:
         o = torch.empty(v.shape, dtype=k.dtype, device=v.device)
-    if qdq_block_v:
+    if qdq_block_v and (recompute or keep_states):
         hs = torch.empty((bound, hv, dk, dv), dtype=torch.float8_e4m3fn, device=v.device)
         hs_scales = torch.empty((bound, hv, dv // tile), dtype=torch.float32, device=v.device)
-    elif recompute:
+    elif recompute and not qdq_block_v:
         hs = k.new_empty((bound, hv, dk, dv))
     wrap_triton(_chunk_gdn_fwd_kernel)[(n * hv, dv // tile)](
         q, k, v, gc, beta, ai, aqk, w, o, initial_state, ht, hs, hs_scales, cu_seqlens, offsets,
@@ -479,15 +483,12 @@ def chunk_gdn_fwd(q, k, v, g, beta, initial_state, cu_seqlens, *, chunk_size, sc
         ValueError: inputs that :func:`gdn_kernel_supports` does not cover.
 
     Returns:
-        ``(o, final_state, gc, ai, aqk, hs, hs_scales)``: ``o`` like ``v``;
-        ``final_state`` float32 in the layout of ``initial_state``; then what
-        :func:`chunk_gdn_bwd` can take as ``prepared`` instead of launching kernels
-        again: the in-chunk cumulative gates ``gc`` (float64 ``[B, T, Hv]``),
-        ``Ai = (I + A)^-1`` and ``M`` (``[B, T, Hv, 64]`` in ``k``'s dtype, row ``t`` of its
-        chunk's matrix) and, with ``state_qdq``, the start state of every chunk as it
-        is exactly: float8 ``hs [chunks bound, Hv, K, V]`` (key-first) times float32
-        ``hs_scales [chunks bound, Hv, V / BV]`` (one per ``[K, BV]`` tile, ``BV =
-        min(state_qdq_block_v, V)``); None without.
+        ``(o, final_state, gc, ai, aqk)``: ``o`` like ``v``; ``final_state`` float32 in
+        the layout of ``initial_state``; then what :func:`chunk_gdn_bwd` can take as
+        ``prepared`` instead of launching kernels again: the in-chunk cumulative gates
+        ``gc`` (float64 ``[B, T, Hv]``), ``Ai = (I + A)^-1`` and ``M`` (``[B, T, Hv, 64]``
+        in ``k``'s dtype, row ``t`` of its chunk's matrix). No chunk state is kept: the
+        backward recomputes them (with ``state_qdq``, the same float8 states bit for bit).
 
     Math: :func:`kdn_compile.reference.chunk_gdn_reference` (FLA's WY form).
     """
@@ -498,19 +499,19 @@ def chunk_gdn_fwd(q, k, v, g, beta, initial_state, cu_seqlens, *, chunk_size, sc
         initial_state = initial_state.contiguous()
     layout = gdn_layout(q, v, cu_seqlens)
     gc, ai, aqk = gdn_prepare(q, k, g, beta, cu_seqlens, layout)
-    o, ht, hs, hs_scales = _recurrence(
+    o, ht, _, _ = _recurrence(
         q, k, v, gc, beta, ai, aqk, initial_state, cu_seqlens, layout,
         scale=_scale(scale, q), state_v_first=state_v_first, recompute=False,
         qdq_block_v=state_qdq_block_v if state_qdq else 0,
     )
-    return o, ht, gc, ai, aqk, hs, hs_scales
+    return o, ht, gc, ai, aqk
 
 
 def gdn_recompute_states(k, v, gc, beta, ai, initial_state, cu_seqlens, layout, *,
                          state_v_first, qdq_block_v=0, w=None, deltas=False):
     """Start state of every chunk (backward): ``(hs, None, delta)``, ``hs [chunks bound, Hv,
     K, V]`` in ``k``'s dtype; with ``qdq_block_v > 0`` (state QDQ) float8 ``hs`` and its
-    scales, as :func:`chunk_gdn_fwd` returns them. ``delta`` (like ``v``, ``k``'s dtype)
+    scales, bit for bit the states the forward quantized. ``delta`` (like ``v``, ``k``'s dtype)
     with ``deltas``, else None. ``w``: from the WY operands ``W`` and ``U`` (in ``v``;
     ``beta`` and ``ai`` None)."""
     o, _, hs, hs_scales = _recurrence(

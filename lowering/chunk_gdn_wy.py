@@ -361,7 +361,7 @@ def gdn_wy_recurrence_fwd(q, k, w, u, g, initial_state, cu_seqlens, *, chunk_siz
     o, ht, hs, hs_scales = _recurrence(
         q, k, u, gc, None, None, aqk, initial_state, cu_seqlens, layout,
         scale=_scale(scale, q), state_v_first=state_v_first, recompute=False,
-        qdq_block_v=state_qdq_block_v if state_qdq else 0, w=w,
+        qdq_block_v=state_qdq_block_v if state_qdq else 0, w=w, keep_states=True,
     )
     return o, ht, gc, aqk, hs, hs_scales
 

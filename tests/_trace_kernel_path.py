@@ -76,7 +76,7 @@ def main(which: str) -> None:
             raise _Captured
         return run
 
-    if which in ("gdn", "gdn-qdq"):  # gdn-qdq: FP8 state QDQ, the float8 states saved
+    if which in ("gdn", "gdn-qdq"):  # gdn-qdq: FP8 state QDQ, recomputed in the backward
         x = delta_inputs(B=2, T=70, Hk=1, Hv=2, K=16, V=16, dtype=torch.float32)
 
         def step(q, k, v, g, beta, initial_state):

@@ -170,18 +170,22 @@ def test_state_qdq_kernels_match_reference(B, T, Hk, Hv, K, V, cu, with_state, s
 
 @kernels
 def test_state_qdq_backward_recomputes_the_same_states():
-    """The backward's recomputed float8 chunk states and scales are the forward's, bit for
-    bit, and with them delta (the backward never reads the forward's saved states)."""
-    from kdn_compile.lowering.chunk_gdn_fwd import gdn_layout, gdn_recompute_states
+    """The backward's recomputed float8 chunk states and scales are those the forward
+    quantized (kept here as the ``w_quantizer`` path's forward keeps them), bit for bit,
+    and with them delta."""
+    from kdn_compile.lowering.chunk_gdn_fwd import (
+        _recurrence, gdn_layout, gdn_prepare, gdn_recompute_states,
+    )
 
     device = "cuda" if CUDA else "cpu"
     for B, T, K, V, block_v in ((1, 70, 16, 32, 16), (2, 130, 32, 64, 64)):
         x = delta_inputs(B, T, 1, 2, K, V, N=B, dtype=torch.float32, device=device, seed=4)
-        args = [x[n] for n in ("q", "k", "v", "g", "beta", "initial_state")] + [None]
-        o, ht, gc, ai, aqk, hs, scales = chunk_gdn_fwd(
-            *args, chunk_size=64, scale=0.25, state_v_first=False, state_qdq=True,
-            state_qdq_block_v=block_v)
-        layout = gdn_layout(x["q"], x["v"], None)
+        q, k, v, beta, h0 = (x[n] for n in ("q", "k", "v", "beta", "initial_state"))
+        layout = gdn_layout(q, v, None)
+        gc, ai, aqk = gdn_prepare(q, k, x["g"], beta, None, layout)
+        _, _, hs, scales = _recurrence(
+            q, k, v, gc, beta, ai, aqk, h0, None, layout, scale=0.25, state_v_first=False,
+            recompute=False, qdq_block_v=block_v, keep_states=True)
         hs2, scales2, delta = gdn_recompute_states(
             x["k"], x["v"], gc, x["beta"], ai, x["initial_state"], None, layout,
             state_v_first=False, qdq_block_v=block_v, deltas=True)

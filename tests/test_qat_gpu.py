@@ -234,8 +234,8 @@ def _opcheck_with_backward(op, bwd, args):
 
 def test_opcheck_kernel_ops():
     """opcheck (every test) of the kernel ops on CUDA and their kernel backward ops:
-    chunk_gdn with state QDQ (float8 states among its saved outputs), the two WY ops, the
-    standalone QDQ."""
+    chunk_gdn with state QDQ, the two WY ops (the recurrence with float8 states among its
+    saved outputs), the standalone QDQ."""
     x = delta_inputs(B=1, T=130, Hk=1, Hv=2, K=64, V=64, dtype=torch.float32, requires_grad=True,
                      seed=3)
     x = {n: t.detach().cuda().requires_grad_() for n, t in x.items()}

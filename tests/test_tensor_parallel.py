@@ -263,18 +263,17 @@ def test_other_placements_are_refused(two_ranks):
 
 def test_chunk_gdn_rule_follows_the_kernel_path(monkeypatch):
     """The placements of kdn::chunk_gdn's outputs come from the op's own kernel predicate
-    (heads on dim 2 of the saved per-token tensors, dim 1 of the float8 chunk states and of
-    their placeholders without state_qdq)."""
+    (heads on dim 2 of the saved per-token tensors, with state_qdq or without)."""
     from kdn_compile.ops import gdn, sharding
 
     x = delta_inputs(B=1, T=8, K=16, V=16, dtype=torch.float32)
     bound = dict(x, cu_seqlens=None, chunk_size=64, scale=0.25, state_v_first=False,
                  state_qdq=True, state_qdq_block_v=16)
     monkeypatch.setattr(gdn, "can_launch", lambda t: True)
-    assert sharding.gdn_outputs(bound) == [2, 1, 2, 2, 2, 1, 1]
-    assert sharding.gdn_outputs(dict(bound, state_qdq=False)) == [2, 1, 2, 2, 2, 1, 1]
+    assert sharding.gdn_outputs(bound) == [2, 1, 2, 2, 2]
+    assert sharding.gdn_outputs(dict(bound, state_qdq=False)) == [2, 1, 2, 2, 2]
     monkeypatch.setattr(gdn, "can_launch", lambda t: False)
-    assert sharding.gdn_outputs(bound) == [2, 1] + [None] * 5
+    assert sharding.gdn_outputs(bound) == [2, 1] + [None] * 3
 
 
 

@@ -4,7 +4,7 @@
 Forward, and forward+backward (with peak memory) of a random output gradient, at
 K = V = 128 in bf16 with a float32 initial state, each under
 ``torch.compile(fullgraph=True)`` as training runs them: the plain op; ``state_qdq=True``
-(the backward reads the forward's float8 chunk states instead of recomputing them); and
+(the backward recomputes the forward's float8 chunk states bit for bit); and
 ``w_quantizer=fp8_row_qdq`` (two ops with the fake quantizer between them, fused by
 Inductor). The ratio columns divide each by the plain op.
 """

@@ -26,7 +26,6 @@ from kdn_compile.ops._dispatch import TRITON, can_launch, metadata_only
 from kdn_compile.ops._registry import (
     FamilyOps,
     empty_grads,
-    fill_placeholders,
     saved_placeholders,
 )
 from kdn_compile.ops._shapes import empty_state
@@ -84,10 +83,9 @@ def _gdn_kernels(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size, state_
 
 
 # The outputs of chunk_gdn_fwd after (o, final_state): what chunk_gdn_bwd takes as prepared
-# (hs and hs_scales: the float8 chunk states of state_qdq, placeholders without; the
-# kernels' backward recomputes them bit for bit with delta and does not read them), each
-# with the dimension of its heads (where DTensor shards it).
-SAVED = {"gc": 2, "ai": 2, "aqk": 2, "hs": 1, "hs_scales": 1}
+# (no chunk state: the kernels' backward recomputes them, under state_qdq the same float8
+# states bit for bit), each with the dimension of its heads (where DTensor shards it).
+SAVED = {"gc": 2, "ai": 2, "aqk": 2}
 
 
 @torch.library.triton_op("kdn::chunk_gdn", mutates_args=())
@@ -96,11 +94,11 @@ def chunk_gdn_op(
     initial_state: Optional[Tensor], cu_seqlens: Optional[Tensor],
     chunk_size: int, scale: float, state_v_first: bool,
     state_qdq: bool, state_qdq_block_v: int,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Chunked GDN; launches Triton where it can, else the reference op.
 
     Returns ``(o, final_state, *saved)``: the kernels' :data:`SAVED` tensors, or
-    empty placeholders after the reference (and for the states without ``state_qdq``).
+    empty placeholders after the reference.
     """
     if _gdn_kernels(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size, state_qdq,
                     state_qdq_block_v):
@@ -109,7 +107,7 @@ def chunk_gdn_op(
             state_v_first=state_v_first, state_qdq=state_qdq,
             state_qdq_block_v=state_qdq_block_v,
         )
-        return fill_placeholders(out, q, v.shape[2])
+        return out
     o, final_state = torch.ops.kdn.chunk_gdn_reference(
         q, k, v, g, beta, initial_state, cu_seqlens, chunk_size, scale,
         state_v_first, state_qdq, state_qdq_block_v,
@@ -123,14 +121,12 @@ def chunk_gdn_bwd_op(
     initial_state: Optional[Tensor], cu_seqlens: Optional[Tensor],
     chunk_size: int, scale: float, state_v_first: bool,
     state_qdq: bool, state_qdq_block_v: int,
-    gc: Tensor, ai: Tensor, aqk: Tensor, hs: Tensor, hs_scales: Tensor,
-    grad_o: Tensor, grad_state: Optional[Tensor],
+    gc: Tensor, ai: Tensor, aqk: Tensor, grad_o: Tensor, grad_state: Optional[Tensor],
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Gradients of ``kdn::chunk_gdn`` on its kernel path: ``(dq, dk, dv, dg, dbeta, dh0)``.
 
     Takes the forward's :data:`SAVED` gates, ``(I + A)^-1`` and ``M``; recomputes the
-    chunk states (with ``state_qdq``, the forward's float8 states bit for bit; the saved
-    ``hs`` and ``hs_scales`` go unread).
+    chunk states (with ``state_qdq``, the forward's float8 states bit for bit).
     ``grad_state`` may be None (zero); ``dh0`` is an empty tensor when
     ``initial_state`` is None.
     """
@@ -140,7 +136,7 @@ def chunk_gdn_bwd_op(
         q, k, v, g, beta, initial_state, cu_seqlens, grad_o, grad_state,
         chunk_size=chunk_size, scale=scale, state_v_first=state_v_first,
         state_qdq=state_qdq, state_qdq_block_v=state_qdq_block_v,
-        prepared=(gc, ai, aqk) + ((hs, hs_scales) if state_qdq else (None, None)),
+        prepared=(gc, ai, aqk),
     )
     return dq, dk, dv, dg, dbeta, (q.new_empty(0) if dh0 is None else dh0)
 

@@ -172,8 +172,7 @@ def _saved(run: bool, saved: dict) -> list:
 
 def gdn_outputs(bound: dict) -> list:
     """The head dims of ``kdn::chunk_gdn``'s outputs (None: replicated), its saved tensors'
-    where the kernels run (the float8 chunk states' placeholders without ``state_qdq``
-    too)."""
+    where the kernels run."""
     run = gdn._gdn_kernels(*_meta(bound, "q", "k", "v", "g", "beta", "initial_state",
                                   "cu_seqlens"), bound["chunk_size"], bound["state_qdq"],
                            bound["state_qdq_block_v"])
