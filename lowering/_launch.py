@@ -61,7 +61,9 @@ def chunk_owners(offsets: torch.Tensor, bound: int) -> torch.Tensor:
 
 def chunk_spans(cu_seqlens: torch.Tensor, offsets: torch.Tensor, bound: int,
                 chunk_size: int) -> torch.Tensor:
-    """``[bound, 2]`` int32: first token and sequence end of each flat chunk, device ops only.
+    """``[bound, 3]`` int32, row ``i`` for flat chunk ``i``: its first token, its sequence's
+    end and its sequence, device ops only. The one chunk table of every packed kernel: a
+    per-chunk program reads ``spans + 3 * i``, ``+ 1`` and ``+ 2`` (in the kernel body).
 
     Chunks belong to sequences in order (empty sequences own none); a surplus
     chunk (past ``offsets[-1]``) gets a first token at or past the last sequence's
@@ -71,7 +73,7 @@ def chunk_spans(cu_seqlens: torch.Tensor, offsets: torch.Tensor, bound: int,
     ids = torch.arange(bound, device=offsets.device, dtype=offsets.dtype)
     cu = cu_seqlens.to(offsets.dtype)
     t0 = cu[seq] + (ids - offsets[seq]) * chunk_size
-    return torch.stack((t0, cu[seq + 1]), 1).to(torch.int32)
+    return torch.stack((t0, cu[seq + 1], seq), 1).to(torch.int32)
 
 
 def num_chunks_bound(batch: int, length: int, num_seqs: int, chunk_size: int, varlen: bool):

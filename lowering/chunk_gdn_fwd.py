@@ -229,8 +229,8 @@ def _chunk_gdn_prepare_kernel(
 ):
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     if IS_VARLEN:  # index loads in the kernel body: see _launch.py
-        t0 = tl.load(spans + 2 * i_c).to(tl.int64)
-        eos = tl.load(spans + 2 * i_c + 1).to(tl.int64)
+        t0 = tl.load(spans + 3 * i_c).to(tl.int64)
+        eos = tl.load(spans + 3 * i_c + 1).to(tl.int64)
     else:
         t0, eos = fixed_chunk(i_c, T, BT)
     if t0 >= eos:

@@ -100,8 +100,8 @@ def _chunk_gdn_wy_fwd_kernel(
     """Program ``(chunk, head)``: ``W = Ai (beta e^G k)`` and ``U = Ai (beta v)``."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     if IS_VARLEN:  # index loads in the kernel body: see _launch.py
-        t0 = tl.load(spans + 2 * i_c).to(tl.int64)
-        eos = tl.load(spans + 2 * i_c + 1).to(tl.int64)
+        t0 = tl.load(spans + 3 * i_c).to(tl.int64)
+        eos = tl.load(spans + 3 * i_c + 1).to(tl.int64)
     else:
         t0, eos = fixed_chunk(i_c, T, BT)
     if t0 >= eos:
@@ -130,8 +130,8 @@ def _chunk_gdn_wy_bwd_kernel(
     ``dW`` and ``dU`` (``W``, ``U`` recomputed)."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     if IS_VARLEN:  # index loads in the kernel body: see _launch.py
-        t0 = tl.load(spans + 2 * i_c).to(tl.int64)
-        eos = tl.load(spans + 2 * i_c + 1).to(tl.int64)
+        t0 = tl.load(spans + 3 * i_c).to(tl.int64)
+        eos = tl.load(spans + 3 * i_c + 1).to(tl.int64)
     else:
         t0, eos = fixed_chunk(i_c, T, BT)
     if t0 >= eos:
@@ -190,8 +190,8 @@ def _chunk_gdn_wy_grad_kernel(
     scale = tl.cast(scale, tl.float32)  # Inductor passes Python floats as fp64
     i_c, i_h, i_r = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if IS_VARLEN:  # index loads in the kernel body: see _launch.py
-        t0 = tl.load(spans + 2 * i_c).to(tl.int64)
-        eos = tl.load(spans + 2 * i_c + 1).to(tl.int64)
+        t0 = tl.load(spans + 3 * i_c).to(tl.int64)
+        eos = tl.load(spans + 3 * i_c + 1).to(tl.int64)
     else:
         t0, eos = fixed_chunk(i_c, T, BT)
     if t0 >= eos:

@@ -22,7 +22,7 @@ import torch
 import triton
 from torch.library import wrap_triton
 
-from kdn_compile.lowering._launch import chunk_offsets, chunk_spans
+from kdn_compile.lowering._launch import chunk_offsets, chunk_spans, num_chunks_bound
 from kdn_compile.lowering.kalman_gain_bwd import (
     _kalman_gain_bwd_chunk_map_kernel,
     _kalman_gain_bwd_chunk_scan_kernel,
@@ -78,10 +78,10 @@ def _chunks(k, cu_seqlens):
     """``(N, NT, NC, spans, chunk_offsets)``: sequences, chunks per sequence, slots.
 
     Fixed length: ``NT`` chunks per sequence, ``NC = B * NT``. Varlen: ``NC`` is
-    an upper bound ``cdiv(T, CHUNK) + N``; ``chunk_offsets [N + 1]`` is each
-    sequence's first slot and ``spans [NC, 2]`` each slot's first token and its
-    sequence's end (:func:`~._launch.chunk_spans`, device ops; a surplus slot starts
-    at or past its end).
+    the bound of :func:`~._launch.num_chunks_bound`; ``chunk_offsets [N + 1]`` is each
+    sequence's first slot and ``spans [NC, 3]`` each slot's first token, its sequence's
+    end and its sequence (:func:`~._launch.chunk_spans`, device ops; a surplus slot
+    starts at or past its end).
     """
     batch, length = k.shape[0], k.shape[1]
     if cu_seqlens is None:
@@ -89,7 +89,7 @@ def _chunks(k, cu_seqlens):
         return batch, nt, batch * nt, None, None
     n = cu_seqlens.shape[0] - 1
     offsets = chunk_offsets(cu_seqlens, CHUNK)
-    nc = triton.cdiv(length, CHUNK) + n
+    nc = num_chunks_bound(batch, length, n, CHUNK, True)
     return n, 0, nc, chunk_spans(cu_seqlens, offsets, nc, CHUNK), offsets
 
 

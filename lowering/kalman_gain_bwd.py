@@ -52,8 +52,8 @@ def _kalman_gain_bwd_chunk_map_kernel(
     info_scale = tl.cast(info_scale, tl.float32)  # Inductor passes Python floats as fp64
     i_c, i_h = tl.program_id(0).to(tl.int64), tl.program_id(1)
     if IS_VARLEN:  # index loads in the kernel body: see _launch.py
-        t0 = tl.load(spans + 2 * i_c).to(tl.int64)
-        eos = tl.load(spans + 2 * i_c + 1).to(tl.int64)
+        t0 = tl.load(spans + 3 * i_c).to(tl.int64)
+        eos = tl.load(spans + 3 * i_c + 1).to(tl.int64)
     else:
         t0, eos = fixed_chunk(i_c, T, BT)
     if t0 >= eos:
@@ -142,8 +142,8 @@ def _kalman_gain_bwd_kernel(
     info_scale = tl.cast(info_scale, tl.float32)  # Inductor passes Python floats as fp64
     i_c, i_h = tl.program_id(0).to(tl.int64), tl.program_id(1)
     if IS_VARLEN:  # index loads in the kernel body: see _launch.py
-        t0 = tl.load(spans + 2 * i_c).to(tl.int64)
-        eos = tl.load(spans + 2 * i_c + 1).to(tl.int64)
+        t0 = tl.load(spans + 3 * i_c).to(tl.int64)
+        eos = tl.load(spans + 3 * i_c + 1).to(tl.int64)
     else:
         t0, eos = fixed_chunk(i_c, T, BT)
     if t0 >= eos:

@@ -73,7 +73,7 @@ STATE_LAUNCH_NARROW = {"BV": 16, "num_warps": 4, "num_stages": 3}
 @triton.jit
 def _two_key_bwd_state_kernel(
     qd, kd, wl, c, tmat, rmat, do, dht, dh, dv, dh0,
-    cu_seqlens, chunk_first, s_k, s_v, scale,
+    cu_seqlens, offsets, s_k, s_v, scale,
     Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BV: tl.constexpr, HAS_DHT: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
@@ -84,7 +84,7 @@ def _two_key_bwd_state_kernel(
     i_n, i_h = i_nh // Hv, i_nh % Hv
     bos = tl.load(cu_seqlens + i_n).to(tl.int64)
     eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-    first = tl.load(chunk_first + i_n).to(tl.int64)
+    first = tl.load(offsets + i_n).to(tl.int64)
     o_k = tl.arange(0, K)
     o_v = i_v * BV + tl.arange(0, BV)
     o_bt = tl.arange(0, BT)
@@ -123,20 +123,18 @@ def _two_key_bwd_state_kernel(
 @triton.jit
 def _two_key_bwd_pair_kernel(
     x, do, dv, dascr, drscr,
-    cu_seqlens, chunk_seq, chunk_first, N, scale,
+    spans, scale,
     Hv: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
     """``dA = -strict(dY X^T)`` and ``dR = scale lower(do X^T)`` of one chunk."""
     scale = tl.cast(scale, tl.float32)  # Inductor passes Python floats as fp64
     i_c, i_h = tl.program_id(0), tl.program_id(1)
-    i_n = tl.load(chunk_seq + i_c)
-    if i_n >= N:
-        return
     # index loads in the kernel body, not a helper: see _launch.py on mutation analysis
-    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-    t0 = bos + (i_c - tl.load(chunk_first + i_n)).to(tl.int64) * BT
+    t0 = tl.load(spans + 3 * i_c).to(tl.int64)
+    eos = tl.load(spans + 3 * i_c + 1).to(tl.int64)
+    if t0 >= eos:  # a surplus chunk
+        return
     o_bt = tl.arange(0, BT)
     m_t = (t0 + o_bt) < eos
     b_da = tl.zeros([BT, BT], dtype=tl.float32)
@@ -178,7 +176,7 @@ def _diag_terms(b_daii, b_drii, b_w, b_k, b_q, b_fr, b_fc, b_dkp, b_dqp, b_dwp,
 def _two_key_bwd_rows_kernel(
     q, k, w, c, h, dh, x, do, dv, dascr, drscr, beta,
     dq, dk, dw, dc, wds, dbeta, dvo,
-    cu_seqlens, chunk_seq, chunk_first, N, scale,
+    spans, scale,
     Hk: tl.constexpr, Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     HAS_BETA: tl.constexpr, CAST_DV: tl.constexpr, DOT_PREC: tl.constexpr,
@@ -194,13 +192,12 @@ def _two_key_bwd_rows_kernel(
     i_p, i_k, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_c, i_i = i_p // NB, i_p % NB
     i_hk = i_h // (Hv // Hk)
-    i_n = tl.load(chunk_seq + i_c)
-    if i_n >= N:
-        return
     # index loads in the kernel body, not a helper: see _launch.py on mutation analysis
-    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-    t0 = bos + (i_c - tl.load(chunk_first + i_n)).to(tl.int64) * BT
+    t0 = tl.load(spans + 3 * i_c).to(tl.int64)
+    eos = tl.load(spans + 3 * i_c + 1).to(tl.int64)
+    if t0 >= eos:  # a surplus chunk
+        return
+    i_n = tl.load(spans + 3 * i_c + 2)
     ti = t0 + i_i * BC
     if ti >= eos:
         return
@@ -312,7 +309,7 @@ def _two_key_bwd_rows_kernel(
 @triton.jit
 def _two_key_bwd_decay_kernel(
     c, h, dh, wds, dc, g, dg,
-    cu_seqlens, chunk_seq, chunk_first, N, floor,
+    spans, floor,
     Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
 ):
@@ -327,13 +324,12 @@ def _two_key_bwd_decay_kernel(
     """
     NB: tl.constexpr = BT // BC
     i_c, i_k, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_n = tl.load(chunk_seq + i_c)
-    if i_n >= N:
-        return
     # index loads in the kernel body, not a helper: see _launch.py on mutation analysis
-    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-    t0 = bos + (i_c - tl.load(chunk_first + i_n)).to(tl.int64) * BT
+    t0 = tl.load(spans + 3 * i_c).to(tl.int64)
+    eos = tl.load(spans + 3 * i_c + 1).to(tl.int64)
+    if t0 >= eos:  # a surplus chunk
+        return
+    i_n = tl.load(spans + 3 * i_c + 2)
     last = tl.minimum(t0 + BT, eos) - 1
     o_t = tl.arange(0, BT)
     m_t = t0 + o_t < eos
@@ -372,8 +368,8 @@ def two_key_bwd(
     rmat: torch.Tensor,
     h: torch.Tensor,
     x: torch.Tensor,
-    chunk_seq: torch.Tensor,
-    chunk_first: torch.Tensor,
+    spans: torch.Tensor,
+    offsets: torch.Tensor,
     do: torch.Tensor,
     dht: torch.Tensor | None,
     *,
@@ -387,7 +383,7 @@ def two_key_bwd(
 
     Args:
         q, k, w, v, log_decay, initial_state, cu_seqlens: as for :func:`two_key_fwd`.
-        c, qd, kd, wl, tmat, rmat, h, x, chunk_seq, chunk_first: the saved outputs
+        c, qd, kd, wl, tmat, rmat, h, x, spans, offsets: the saved outputs
             of :func:`two_key_fwd` (same call).
         do: ``[B, T, Hv, V]`` gradient of ``o``.
         dht: gradient of the final state (its layout) or None.
@@ -419,8 +415,8 @@ def two_key_bwd(
     dt = compute_dtype(q.dtype)
     prec = dot_precision(q.dtype)
     bounds, _ = sequence_bounds(batch, length, cu_seqlens, q.device)
-    num_seqs = chunk_first.shape[0] - 1
-    num_chunks = chunk_seq.shape[0] - 1  # its spare last entry: see chunk_map
+    num_seqs = offsets.shape[0] - 1
+    num_chunks = spans.shape[0] - 1  # its spare last row: see chunk_table
     tokens = batch * length
     dh = q.new_empty((num_chunks, hv, key_dim, value_dim), dtype=dt)
     dv32 = q.new_empty((tokens, hv, value_dim), dtype=torch.float32)
@@ -435,7 +431,7 @@ def two_key_bwd(
     wrap_triton(_two_key_bwd_state_kernel)[(triton.cdiv(value_dim, state_v) * num_seqs * hv,)](
         qd, kd, wl, c, tmat, rmat, dof,
         dht.contiguous() if dht is not None else dh0, dh, dv32, dh0,
-        bounds, chunk_first, s_k, s_v, scale,
+        bounds, offsets, s_k, s_v, scale,
         Hv=hv, K=key_dim, V=value_dim, BT=BT, BV=state_v,
         HAS_DHT=dht is not None, DOT_PREC=prec, num_warps=state["num_warps"],
         num_stages=state["num_stages"],
@@ -444,7 +440,7 @@ def two_key_bwd(
     drscr = q.new_empty((tokens, hv, BT), dtype=torch.float32)
     wrap_triton(_two_key_bwd_pair_kernel)[(num_chunks, hv)](
         x, dof, dv32, dascr, drscr,
-        bounds, chunk_seq, chunk_first, num_seqs, scale,
+        spans, scale,
         Hv=hv, V=value_dim, BT=BT, BV=block_v, DOT_PREC=prec,
         num_warps=4, num_stages=3,  # the whole backward 0.99x its time at 2 stages (H200)
     )
@@ -467,7 +463,7 @@ def two_key_bwd(
     wrap_triton(_two_key_bwd_rows_kernel)[(num_chunks * (BT // BC), nk, hv)](
         qf, kf, wf, c, h, dh, x, dof, dv32, dascr, drscr, betaf,
         dq, dk, dw, dc, wds, dbeta, dvo,
-        bounds, chunk_seq, chunk_first, num_seqs, scale,
+        spans, scale,
         Hk=hk, Hv=hv, K=key_dim, V=value_dim, BT=BT, BC=BC, BK=block_k,
         BV=min(rows_launch["BV"], value_dim), HAS_BETA=beta is not None,
         CAST_DV=dvo is not dv32, DOT_PREC=prec,
@@ -479,7 +475,7 @@ def two_key_bwd(
     decay_k = min(32, key_dim)
     wrap_triton(_two_key_bwd_decay_kernel)[(num_chunks, key_dim // decay_k, hv)](
         c, h, dh, wds, dc, gf, dg,
-        bounds, chunk_seq, chunk_first, num_seqs, floor,
+        spans, floor,
         Hv=hv, K=key_dim, V=value_dim, BT=BT, BC=BC, BK=decay_k, BV=block_v,
         num_warps=4, num_stages=1,
     )

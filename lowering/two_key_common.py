@@ -46,10 +46,11 @@ operands are the input dtype or tf32 (tensor cores); with fp32 inputs every
 product is exact fp32 (``"ieee"``, no tf32). ``T = (I + A)^-1`` is
 formed in exact fp32 for every dtype.
 
-Packed sequences: every kernel reads ``cu_seqlens`` on the device. Chunks are
-numbered globally; ``chunk_seq[i]`` is the sequence of chunk ``i`` (``N`` past
-the last real chunk) and ``chunk_first[n]`` the global index of sequence ``n``'s
-first chunk. Both are built with device ops (:func:`chunk_map`).
+Sequences: every kernel reads the sequence bounds on the device (fixed-length batches as
+bounds ``0, T, 2T, ...``). Chunks are numbered globally, as for GDN: a per-chunk kernel
+reads its chunk's row of ``spans`` (first token, sequence end, sequence) and a
+per-sequence kernel its sequence's first chunk in ``offsets``; both are built with device
+ops (:func:`chunk_table`, from :mod:`._launch`).
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ import triton
 import triton.language as tl
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
-from ._launch import chunk_offsets, chunk_owners, sm_count, uncovered_inputs
+from ._launch import chunk_offsets, chunk_spans, sm_count, uncovered_inputs
 
 BT = 64  # tokens per chunk (the only supported chunk size)
 BC = 16  # sub-block of the intra-chunk algebra (smallest tensor-core tile)
@@ -161,18 +162,16 @@ def state_launch(wide: dict, narrow: dict, value_dim: int, seq_heads, device, *,
     return {**chosen, "num_stages": 1} if dtype == torch.float32 else chosen
 
 
-def chunk_map(
-    bounds: torch.Tensor, num_chunks: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(chunk_seq [num_chunks + 1], chunk_first [N + 1])`` int32, built on the device.
+def chunk_table(bounds: torch.Tensor, num_chunks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(spans [num_chunks + 1, 3], offsets [N + 1])`` int32 of :func:`~._launch.chunk_spans`
+    and :func:`~._launch.chunk_offsets`, built on the device from the sequence bounds.
 
-    ``chunk_seq[i]`` is the sequence of chunk ``i`` (``N`` past the real chunks).
-    Its spare last entry keeps its size above 1 for every length: ``kdn::chunk_kda``
-    returns it, and a tensor that may hold a single element makes ``torch.export``
-    guard on the sequence length (a contiguity check on the op's outputs).
+    The spare last row of ``spans`` (a surplus chunk) keeps its first size above 1 for
+    every length: ``kdn::chunk_kda`` returns it, and a dimension that may be 1 makes
+    ``torch.export`` guard on the sequence length (a contiguity check on the op's outputs).
     """
-    first = chunk_offsets(bounds, BT)
-    return chunk_owners(first, num_chunks + 1), first
+    offsets = chunk_offsets(bounds, BT)
+    return chunk_spans(bounds, offsets, num_chunks + 1, BT), offsets
 
 
 @triton.jit

@@ -34,7 +34,7 @@ from kdn_compile.lowering.two_key_common import (
     BT,
     LOG_DECAY_BOUND,
     check_decay_floor,
-    chunk_map,
+    chunk_table,
     compute_dtype,
     load_block,
     load_row,
@@ -73,7 +73,7 @@ def _row_of(b_x, r):
 @triton.jit
 def _two_key_fwd_decay_kernel(
     q, k, w, beta, g, c, qd, kd, wl,
-    cu_seqlens, chunk_seq, chunk_first, N, floor,
+    spans, floor,
     Hk: tl.constexpr, Hv: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
     HAS_BETA: tl.constexpr,
 ):
@@ -82,13 +82,11 @@ def _two_key_fwd_decay_kernel(
     floor = tl.cast(floor, tl.float32)  # Inductor passes Python floats as fp64
     i_c, i_k, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_hk = i_h // (Hv // Hk)
-    i_n = tl.load(chunk_seq + i_c)
-    if i_n >= N:
-        return
     # index loads in the kernel body, not a helper: see _launch.py on mutation analysis
-    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-    t0 = bos + (i_c - tl.load(chunk_first + i_n)).to(tl.int64) * BT
+    t0 = tl.load(spans + 3 * i_c).to(tl.int64)
+    eos = tl.load(spans + 3 * i_c + 1).to(tl.int64)
+    if t0 >= eos:  # a surplus chunk
+        return
     o_t = tl.arange(0, BT)
     m_t = t0 + o_t < eos
     o_k = i_k * BK + tl.arange(0, BK)
@@ -128,20 +126,18 @@ def _diag_half(b_k, b_q, b_w, b_c, b_cr, m_r, start, acc_a, acc_r, DOT_PREC: tl.
 @triton.jit
 def _two_key_fwd_pairs_kernel(
     q, k, w, beta, c, ascr, rmat,
-    cu_seqlens, chunk_seq, chunk_first, N,
+    spans,
     Hk: tl.constexpr, Hv: tl.constexpr, K: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, HAS_BETA: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
     i_c, i_i, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_hk = i_h // (Hv // Hk)
-    i_n = tl.load(chunk_seq + i_c)
-    if i_n >= N:
-        return
     # index loads in the kernel body, not a helper: see _launch.py on mutation analysis
-    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-    t0 = bos + (i_c - tl.load(chunk_first + i_n)).to(tl.int64) * BT
+    t0 = tl.load(spans + 3 * i_c).to(tl.int64)
+    eos = tl.load(spans + 3 * i_c + 1).to(tl.int64)
+    if t0 >= eos:  # a surplus chunk
+        return
     ti = t0 + i_i * BC
     if ti >= eos:
         return
@@ -210,20 +206,18 @@ def _store_blocks(ptr, b0, b1, b2, b3, t, m_r, i_h, H: tl.constexpr, BT: tl.cons
 @triton.jit
 def _two_key_fwd_solve_kernel(
     ascr, kd, v, tmat, wk, u,
-    cu_seqlens, chunk_seq, chunk_first, N,
+    spans,
     Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     """``T = (I + A)^-1`` (stored), then ``Wk = T (k e^c)`` and ``U = T v``."""
     tl.static_assert(BT == 4 * BC)
     i_c, i_h = tl.program_id(0), tl.program_id(1)
-    i_n = tl.load(chunk_seq + i_c)
-    if i_n >= N:
-        return
     # index loads in the kernel body, not a helper: see _launch.py on mutation analysis
-    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-    t0 = bos + (i_c - tl.load(chunk_first + i_n)).to(tl.int64) * BT
+    t0 = tl.load(spans + 3 * i_c).to(tl.int64)
+    eos = tl.load(spans + 3 * i_c + 1).to(tl.int64)
+    if t0 >= eos:  # a surplus chunk
+        return
     t1, t2, t3 = t0 + BC, t0 + 2 * BC, t0 + 3 * BC
     o_r = tl.arange(0, BC)
     m_0, m_1, m_2, m_3 = t0 + o_r < eos, t1 + o_r < eos, t2 + o_r < eos, t3 + o_r < eos
@@ -282,7 +276,7 @@ def _two_key_fwd_solve_kernel(
 @triton.jit
 def _two_key_fwd_state_kernel(
     wk, u, wl, c, h, x, h0, ht,
-    cu_seqlens, chunk_first, s_k, s_v,
+    cu_seqlens, offsets, s_k, s_v,
     Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BV: tl.constexpr, HAS_H0: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
@@ -293,7 +287,7 @@ def _two_key_fwd_state_kernel(
     bos = tl.load(cu_seqlens + i_n).to(tl.int64)
     eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
     # State slots: each sequence owns one per chunk start plus one for its end.
-    slot = tl.load(chunk_first + i_n).to(tl.int64) + i_n
+    slot = tl.load(offsets + i_n).to(tl.int64) + i_n
     o_k = tl.arange(0, K)
     o_v = i_v * BV + tl.arange(0, BV)
     o_r = tl.arange(0, BT)
@@ -326,19 +320,18 @@ def _two_key_fwd_state_kernel(
 @triton.jit
 def _two_key_fwd_output_kernel(
     qd, h, rmat, x, o,
-    cu_seqlens, chunk_seq, chunk_first, N, scale,
+    spans, scale,
     Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     scale = tl.cast(scale, tl.float32)  # Inductor passes Python floats as fp64
     i_c, i_v, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_n = tl.load(chunk_seq + i_c)
-    if i_n >= N:
-        return
     # index loads in the kernel body, not a helper: see _launch.py on mutation analysis
-    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-    t0 = bos + (i_c - tl.load(chunk_first + i_n)).to(tl.int64) * BT
+    t0 = tl.load(spans + 3 * i_c).to(tl.int64)
+    eos = tl.load(spans + 3 * i_c + 1).to(tl.int64)
+    if t0 >= eos:  # a surplus chunk
+        return
+    i_n = tl.load(spans + 3 * i_c + 2)
     o_bt = tl.arange(0, BT)
     m_t = (t0 + o_bt) < eos
     o_v = i_v * BV + tl.arange(0, BV)
@@ -392,13 +385,13 @@ def two_key_fwd(
             kernels (give ``w`` or ``beta``, not both).
 
     Returns:
-        ``(o, final_state, c, qd, kd, wl, tmat, rmat, h, x, chunk_seq, chunk_first)``:
+        ``(o, final_state, c, qd, kd, wl, tmat, rmat, h, x, spans, offsets)``:
         ``o`` like ``v``; ``final_state`` float32 in the state layout; the rest are
         saved for :func:`two_key_bwd`: float32 cumulative decay ``c``; ``q e^c``,
         ``k e^c``, ``w e^{c_last - c}`` per value head; the inverse ``T`` and the
         readout ``R`` per chunk row; the states at every chunk boundary
         ``h`` (one slot per chunk start plus one per sequence end); the innovations
-        ``x``; the chunk map.
+        ``x``; the chunk table (:func:`~.two_key_common.chunk_table`).
 
     Raises:
         ValueError: inputs that :func:`two_key_kernel_supports` does not cover,
@@ -418,7 +411,7 @@ def two_key_fwd(
     prec = dot_precision(q.dtype)
     bounds, num_seqs = sequence_bounds(batch, length, cu_seqlens, q.device)
     num_chunks = num_chunks_bound(batch, length, num_seqs, BT, cu_seqlens is not None)
-    chunk_seq, chunk_first = chunk_map(bounds, num_chunks)
+    spans, offsets = chunk_table(bounds, num_chunks)
     tokens = batch * length
     c = q.new_empty((tokens, hv, key_dim), dtype=torch.float32)
     qd, kd, wl = (q.new_empty((tokens, hv, key_dim), dtype=dt) for _ in range(3))
@@ -441,20 +434,20 @@ def two_key_fwd(
 
     wrap_triton(_two_key_fwd_decay_kernel)[(num_chunks, key_dim // min(64, key_dim), hv)](
         qf, kf, wf, betaf, gf, c, qd, kd, wl,
-        bounds, chunk_seq, chunk_first, num_seqs, floor,
+        spans, floor,
         Hk=hk, Hv=hv, K=key_dim, BT=BT, BK=min(64, key_dim), HAS_BETA=beta is not None,
         num_warps=4, num_stages=1,
     )
     wrap_triton(_two_key_fwd_pairs_kernel)[(num_chunks, BT // BC, hv)](
         qf, kf, wf, betaf, c, ascr, rmat,
-        bounds, chunk_seq, chunk_first, num_seqs,
+        spans,
         Hk=hk, Hv=hv, K=key_dim, BT=BT, BC=BC, BK=min(PAIRS_LAUNCH["BK"], key_dim),
         HAS_BETA=beta is not None, DOT_PREC=prec, num_warps=PAIRS_LAUNCH["num_warps"],
         num_stages=PAIRS_LAUNCH["num_stages"],
     )
     wrap_triton(_two_key_fwd_solve_kernel)[(num_chunks, hv)](
         ascr, kd, vf, tmat, wk, u,
-        bounds, chunk_seq, chunk_first, num_seqs,
+        spans,
         Hv=hv, K=key_dim, V=value_dim, BT=BT, BC=BC, BD=min(64, key_dim, value_dim),
         # half inputs: 2 warps, the whole forward 0.96x its time at 4 (H200);
         # float32 spills at either, more at 2 (ptxas sm_90)
@@ -466,7 +459,7 @@ def two_key_fwd(
     state_v = min(state["BV"], value_dim)
     wrap_triton(_two_key_fwd_state_kernel)[(triton.cdiv(value_dim, state_v) * num_seqs * hv,)](
         wk, u, wl, c, h, x, h0, final_state,
-        bounds, chunk_first, s_k, s_v,
+        bounds, offsets, s_k, s_v,
         Hv=hv, K=key_dim, V=value_dim, BT=BT, BV=state_v,
         HAS_H0=initial_state is not None, DOT_PREC=prec,
         num_warps=state["num_warps"],
@@ -474,8 +467,8 @@ def two_key_fwd(
     )
     wrap_triton(_two_key_fwd_output_kernel)[(num_chunks, triton.cdiv(value_dim, block_v), hv)](
         qd, h, rmat, x, o,
-        bounds, chunk_seq, chunk_first, num_seqs, scale,
+        spans, scale,
         Hv=hv, K=key_dim, V=value_dim, BT=BT, BK=min(64, key_dim), BV=block_v,
         DOT_PREC=prec, num_warps=4, num_stages=2,
     )
-    return (o, final_state, c, qd, kd, wl, tmat, rmat, h, x, chunk_seq, chunk_first)
+    return (o, final_state, c, qd, kd, wl, tmat, rmat, h, x, spans, offsets)

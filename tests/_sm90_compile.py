@@ -113,7 +113,7 @@ def _run_ops(B, T, H, K, dtypes):
         out = kdn_compile.diag_kdn(x["q"], x["k"], x["v"], x["log_alpha"], x["omega"], rr,
                                    memory, precision, scale=0.125, info_scale=1.0)
         torch.autograd.grad(out[0].sum(), [x["q"], x["k"]])
-        # packed: the gain's chunk spans and the memory's chunk map from cu_seqlens
+        # packed: the chunk table of the gain and of the memory from cu_seqlens
         cu = torch.tensor([0, T * 3 // 7, T * 3 // 7, T])
         out = kdn_compile.diag_kdn(*(x[n][:1] for n in ("q", "k", "v", "log_alpha", "omega")),
                                    rr[:1], memory[:1].expand(3, -1, -1, -1).requires_grad_(),
@@ -186,8 +186,7 @@ def record_launches(B=1, T=70, H=2, K=64, dtypes=(torch.bfloat16, torch.float32)
     return first
 
 
-_INDEX_TENSORS = {"cu_seqlens", "offsets", "spans", "chunk_seq", "chunk_first", "chunk_offsets",
-                  "indices"}
+_INDEX_TENSORS = {"cu_seqlens", "offsets", "spans", "chunk_offsets", "indices"}
 
 
 def written_indices(kernel, args, kwargs) -> set[str]:
@@ -220,7 +219,7 @@ def variant(kernel, kwargs) -> str:
 
 def _packed(kwargs) -> bool:
     """A launch specialized for packed sequences: ``IS_VARLEN`` (the token recurrence's
-    ``VARLEN``). The two-key kernels read a chunk map either way."""
+    ``VARLEN``). The two-key kernels read a chunk table either way."""
     return bool(kwargs.get("IS_VARLEN", kwargs.get("VARLEN", False)))
 
 

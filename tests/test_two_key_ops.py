@@ -89,7 +89,7 @@ def test_chunk_kda_op_saved_outputs(varlen):
     o, final_state, *saved = outputs
     assert o.requires_grad and final_state.requires_grad
     assert not any(t.requires_grad for t in saved)
-    assert saved[-2].dtype == saved[-1].dtype == torch.int32  # chunk_seq, chunk_first
+    assert saved[-2].dtype == saved[-1].dtype == torch.int32  # spans, offsets
     q, k, v, g, beta, h0, cu = args[:7]
     with kdn_compile.use_backend("triton"):
         public = kdn_compile.chunk_kda(q, k, v, g, beta, initial_state=h0, cu_seqlens=cu,
@@ -253,7 +253,7 @@ def test_chunk_kda_kernels_keep_a_nan_gate():
 def test_kernel_path_traces_as_on_the_gpu(which, expected):
     """The kernel branch traced on the CPU (tests/_trace_kernel_path.py): the ops with
     their saved outputs through AOTAutograd's min-cut partitioner (a backward kernel
-    once seen writing the saved ``chunk_first`` failed there: "Node getitem_29 was
+    once seen writing a saved chunk index failed there: "Node getitem_29 was
     invalid, but is output"), and the layers through torch.export with a dynamic length
     (a saved or scratch tensor with a dimension of one chunk once made it guard on the
     length)."""

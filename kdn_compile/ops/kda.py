@@ -53,10 +53,10 @@ def _chunk_kda_fake(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size, sca
 
 
 # The outputs of two_key_fwd after (o, final_state): what two_key_bwd reads, each with the
-# dimension of its heads (where DTensor shards it); the chunk maps (None) are the same on
+# dimension of its heads (where DTensor shards it); the chunk table (None) is the same on
 # every rank.
 SAVED = {"c": 1, "qd": 1, "kd": 1, "wl": 1, "tmat": 1, "rmat": 1, "h": 1, "x": 1,
-         "chunk_seq": None, "chunk_first": None}
+         "spans": None, "offsets": None}
 
 CHUNK_KDA = FamilyOps(
     "chunk_kda", _chunk_kda_signature, _chunk_kda_reference, _chunk_kda_fake,
@@ -114,7 +114,7 @@ def chunk_kda_bwd_op(
     initial_state: Optional[Tensor], cu_seqlens: Optional[Tensor],
     chunk_size: int, scale: float, state_v_first: bool,
     c: Tensor, qd: Tensor, kd: Tensor, wl: Tensor, tmat: Tensor, rmat: Tensor, h: Tensor,
-    x: Tensor, chunk_seq: Tensor, chunk_first: Tensor,
+    x: Tensor, spans: Tensor, offsets: Tensor,
     grad_o: Tensor, grad_state: Optional[Tensor],
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Gradients of ``kdn::chunk_kda`` on its kernel path: ``(dq, dk, dv, dg, dbeta, dh0)``.
@@ -128,7 +128,7 @@ def chunk_kda_bwd_op(
         return empty_grads(q, (q, k, v, g, beta, initial_state))
     dq, dk, dbeta, dv, dg, dh0 = two_key_bwd(
         q, k, None, v, g, initial_state, cu_seqlens,
-        c, qd, kd, wl, tmat, rmat, h, x, chunk_seq, chunk_first, grad_o, grad_state,
+        c, qd, kd, wl, tmat, rmat, h, x, spans, offsets, grad_o, grad_state,
         chunk_size=chunk_size, scale=scale, state_v_first=state_v_first,
         log_decay_floor=LOG_DECAY_BOUND, beta=beta,
     )

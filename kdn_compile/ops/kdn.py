@@ -130,11 +130,11 @@ def diag_kdn_memory_bwd_op(
     q: Tensor, k: Tensor, v: Tensor, log_alpha: Tensor, gain: Tensor, memory: Tensor,
     cu_seqlens: Optional[Tensor], scale: float, chunk_size: int,
     c: Tensor, qd: Tensor, kd: Tensor, wl: Tensor, tmat: Tensor, rmat: Tensor, h: Tensor,
-    x: Tensor, chunk_seq: Tensor, chunk_first: Tensor,
+    x: Tensor, spans: Tensor, offsets: Tensor,
     grad_output: Tensor, grad_memory: Optional[Tensor],
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Gradients of the Diag-KDN memory on the two-key kernels, from the forward's
-    saved tensors (``c`` .. ``chunk_first``, as :func:`two_key_fwd` returns them).
+    saved tensors (``c`` .. ``offsets``, as :func:`two_key_fwd` returns them).
 
     Returns ``(dq, dk, dv, dlog_alpha, dgain, dmemory)``; ``dlog_alpha`` is zero
     where ``log_alpha`` sits below the memory floor (the clamp's gradient).
@@ -143,7 +143,7 @@ def diag_kdn_memory_bwd_op(
         return empty_grads(q, (q, k, v, log_alpha, gain, memory))
     dq, dk, dgain, dv, dlog_alpha, dmemory = two_key_bwd(
         q, k, gain, v, log_alpha, memory, cu_seqlens,
-        c, qd, kd, wl, tmat, rmat, h, x, chunk_seq, chunk_first, grad_output, grad_memory,
+        c, qd, kd, wl, tmat, rmat, h, x, spans, offsets, grad_output, grad_memory,
         chunk_size=chunk_size, scale=scale, state_v_first=False,
         log_decay_floor=ref.LOG_MEMORY_ALPHA_FLOOR,
     )

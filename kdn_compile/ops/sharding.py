@@ -8,7 +8,7 @@ dimension (``q, k, v, g, beta`` and outputs ``[B, T, H, ...]`` on dim 2, states
 because ``Hk`` and ``Hv`` split into the same number of contiguous blocks). DTensor
 takes the one that moves no data: sharded in, sharded out, no communication;
 replicated in, replicated out. Boundaries (``cu_seqlens``), slot indices and the
-kernels' chunk maps are replicated.
+kernels' chunk tables are replicated.
 
 Refused with a ValueError naming the op and the argument: a tensor sharded on any
 other dimension or partial (reduce it first), and heads that do not split evenly
@@ -165,7 +165,7 @@ def _delta_grads(bound, initial="initial_state", count=5):
 def _saved(run: bool, saved: dict) -> list:
     """The head dims of a kernel op's saved outputs (``saved``: its family's declaration):
     the declared ones where the kernels run (placeholders among them too; None for the
-    kernels' chunk maps, the same on every rank), else None (the reference's
+    kernels' chunk tables, the same on every rank), else None (the reference's
     placeholders)."""
     return [dim if run else None for dim in saved.values()]
 
