@@ -236,9 +236,9 @@ def test_state_fp8_qdq_takes_the_kernel_and_passes_gradients_through(monkeypatch
 def test_qat_kernel_paths_trace_as_on_the_gpu(which, expected):
     """The kernel branches traced on the CPU (tests/_trace_kernel_path.py) with
     ``fullgraph=True`` through AOTAutograd's min-cut partitioner, as on the H200.
-    ``gdn-qdq``: ``kdn::chunk_gdn`` with FP8 state QDQ, the float8 chunk states among its
-    saved outputs: two forward launches (prepare, recurrence), three backward (each chunk's
-    ``delta`` from the saved states, state pass, gradients; no recomputed states). ``wy``: ``chunk_gdn`` with a ``w_quantizer`` in the graph between the operands
+    ``gdn-qdq``: ``kdn::chunk_gdn`` with FP8 state QDQ: two forward launches (prepare,
+    recurrence), three backward (the chunk states, float8 bit for bit, with ``delta``; state
+    pass; gradients). ``wy``: ``chunk_gdn`` with a ``w_quantizer`` in the graph between the operands
     (prepare, W and U) and the recurrence (prepare, recurrence); backward: recomputed
     states, state pass, gradients, then the operands' gradients."""
     import subprocess
