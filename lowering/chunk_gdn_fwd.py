@@ -9,7 +9,8 @@ and ``Ai = (I + A)^-1`` (the WY form of
    ``M = (q k^T) * exp(G_i - G_j)`` (``j <= i``) and ``Ai``. ``A`` goes through a
    float32 scratch buffer so that ``Ai`` can be built from its 16 x 16 blocks:
    diagonal blocks inverted by products of powers (:func:`inv_unit_lower`),
-   joined by block products.
+   joined by block products. (Forming each block in registers from its rows of ``k``
+   instead, with no scratch, took 0.553 ms against 0.366 at 8 x 4096 x 16 bf16, H100.)
 2. ``_chunk_gdn_fwd_kernel`` (one program per sequence, value head and tile of
    ``BV`` value columns, walking the chunks in order with the state in
    registers): ``delta = Ai (beta (v - (e^G k) S))``,
