@@ -71,7 +71,9 @@ def _chunk_gdn_bwd_state_kernel(
     WY: tl.constexpr,
 ):
     scale = tl.cast(scale, tl.float32)  # Inductor passes Python floats as fp64
-    i_nh, i_v = tl.program_id(0), tl.program_id(1)
+    # a head's value tiles on adjacent programs, so that they run in the same wave and
+    # share their reads of q, k, Ai and M through L2
+    i_nh, i_v = tl.program_id(0) // (V // BV), tl.program_id(0) % (V // BV)
     i_n, i_h = i_nh // H, i_nh % H
     i_hk = i_h // (H // HK)
     if IS_VARLEN:  # index loads in the kernel body: see _launch.py
@@ -349,7 +351,7 @@ def gdn_state_grads(q, k, gc, beta, ai, aqk, v, do, dht, initial_state, cu_seqle
     dh0 = None
     if initial_state is not None:
         dh0 = torch.empty(initial_state.shape, dtype=torch.float32, device=v.device)
-    wrap_triton(_chunk_gdn_bwd_state_kernel)[(n * hv, dv_ // tile)](
+    wrap_triton(_chunk_gdn_bwd_state_kernel)[(n * hv * (dv_ // tile),)](
         q, k, gc, beta, ai, aqk, w, do, dv, dx, dht, dh0, dhs, cu_seqlens, offsets, scale,
         length, H=hv, HK=hk, K=dk_, V=dv_, BT=CHUNK, BV=tile,
         HAS_DHT=dht is not None, HAS_H0=initial_state is not None,

@@ -327,7 +327,9 @@ def _chunk_gdn_fwd_kernel(
     STATE_QDQ: tl.constexpr, SOFT_CAST: tl.constexpr, WY: tl.constexpr,
 ):
     scale = tl.cast(scale, tl.float32)  # Inductor passes Python floats as fp64
-    i_nh, i_v = tl.program_id(0), tl.program_id(1)
+    # a head's value tiles on adjacent programs, so that they run in the same wave and
+    # share their reads of q, k, Ai and M through L2
+    i_nh, i_v = tl.program_id(0) // (V // BV), tl.program_id(0) % (V // BV)
     i_n, i_h = i_nh // H, i_nh % H
     i_hk = i_h // (H // HK)
     if IS_VARLEN:  # index loads in the kernel body: see _launch.py
@@ -447,7 +449,7 @@ def _recurrence(q, k, v, gc, beta, ai, aqk, initial_state, cu_seqlens, layout, *
         hs_scales = torch.empty((bound, hv, dv // tile), dtype=torch.float32, device=v.device)
     elif recompute and not qdq_block_v:
         hs = k.new_empty((bound, hv, dk, dv))
-    wrap_triton(_chunk_gdn_fwd_kernel)[(n * hv, dv // tile)](
+    wrap_triton(_chunk_gdn_fwd_kernel)[(n * hv * (dv // tile),)](
         q, k, v, gc, beta, ai, aqk, w, o, initial_state, ht, hs, hs_scales, cu_seqlens, offsets,
         scale, length,
         H=hv, HK=hk, K=dk, V=dv, BT=CHUNK, BV=tile,
