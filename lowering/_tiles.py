@@ -5,7 +5,13 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["inv_unit_lower"]
+__all__ = ["dot32", "inv_unit_lower"]
+
+
+@triton.jit
+def dot32(a, b):
+    """``a @ b`` in exact float32 (no TF32 rounding of the inputs)."""
+    return tl.dot(a, b, input_precision="ieee")
 
 
 @triton.jit
@@ -19,10 +25,10 @@ def inv_unit_lower(b_l):
     o_c = tl.arange(0, b_l.shape[0])
     b_n = -b_l
     b_t = tl.where(o_c[:, None] == o_c[None, :], 1.0, 0.0) + b_n
-    b_p = tl.dot(b_n, b_n, input_precision="ieee")
-    b_t += tl.dot(b_t, b_p, input_precision="ieee")
-    b_p = tl.dot(b_p, b_p, input_precision="ieee")
-    b_t += tl.dot(b_t, b_p, input_precision="ieee")
-    b_p = tl.dot(b_p, b_p, input_precision="ieee")
-    b_t += tl.dot(b_t, b_p, input_precision="ieee")
+    b_p = dot32(b_n, b_n)
+    b_t += dot32(b_t, b_p)
+    b_p = dot32(b_p, b_p)
+    b_t += dot32(b_t, b_p)
+    b_p = dot32(b_p, b_p)
+    b_t += dot32(b_t, b_p)
     return b_t

@@ -62,7 +62,7 @@ from ._launch import (
     state_tile,
     uncovered_inputs,
 )
-from ._tiles import inv_unit_lower
+from ._tiles import dot32, inv_unit_lower
 from .fp8 import qdq_tile, soft_cast
 
 __all__ = [
@@ -217,11 +217,6 @@ def _store_upper_zeros(x, r1, r2, r3, eos, H: tl.constexpr, BT: tl.constexpr, BC
 
 
 @triton.jit
-def _dot32(a, b):
-    return tl.dot(a, b, input_precision="ieee")
-
-
-@triton.jit
 def _chunk_gdn_prepare_kernel(
     q, k, g, beta, gc, ai, aqk, scratch, spans, T,
     H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
@@ -274,35 +269,35 @@ def _chunk_gdn_prepare_kernel(
         r4 = r3 + BC
         b_i11 = inv_unit_lower(_load_block(scratch, r1, eos, 0, H, BT, BC))
         _store_block(ai, b_i11, r1, eos, 0, H, BT)
-        b_t1 = _dot32(_load_block(scratch, r2, eos, 0, H, BT, BC), b_i11)
+        b_t1 = dot32(_load_block(scratch, r2, eos, 0, H, BT, BC), b_i11)
         b_i22 = inv_unit_lower(_load_block(scratch, r2, eos, BC, H, BT, BC))
-        b_i21 = -_dot32(b_i22, b_t1)
+        b_i21 = -dot32(b_i22, b_t1)
         _store_block(ai, b_i21, r2, eos, 0, H, BT)
         _store_block(ai, b_i22, r2, eos, BC, H, BT)
         b_a31 = _load_block(scratch, r3, eos, 0, H, BT, BC)
-        b_t1 = _dot32(b_a31, b_i11)
+        b_t1 = dot32(b_a31, b_i11)
         b_a32 = _load_block(scratch, r3, eos, BC, H, BT, BC)
-        b_t1 += _dot32(b_a32, b_i21)
-        b_t2 = _dot32(b_a32, b_i22)
+        b_t1 += dot32(b_a32, b_i21)
+        b_t2 = dot32(b_a32, b_i22)
         b_i33 = inv_unit_lower(_load_block(scratch, r3, eos, 2 * BC, H, BT, BC))
-        b_i31 = -_dot32(b_i33, b_t1)
-        b_i32 = -_dot32(b_i33, b_t2)
+        b_i31 = -dot32(b_i33, b_t1)
+        b_i32 = -dot32(b_i33, b_t2)
         _store_block(ai, b_i31, r3, eos, 0, H, BT)
         _store_block(ai, b_i32, r3, eos, BC, H, BT)
         _store_block(ai, b_i33, r3, eos, 2 * BC, H, BT)
         b_a41 = _load_block(scratch, r4, eos, 0, H, BT, BC)
-        b_t1 = _dot32(b_a41, b_i11)
+        b_t1 = dot32(b_a41, b_i11)
         b_a42 = _load_block(scratch, r4, eos, BC, H, BT, BC)
-        b_t1 += _dot32(b_a42, b_i21)
-        b_t2 = _dot32(b_a42, b_i22)
+        b_t1 += dot32(b_a42, b_i21)
+        b_t2 = dot32(b_a42, b_i22)
         b_a43 = _load_block(scratch, r4, eos, 2 * BC, H, BT, BC)
-        b_t1 += _dot32(b_a43, b_i31)
-        b_t2 += _dot32(b_a43, b_i32)
-        b_t3 = _dot32(b_a43, b_i33)
+        b_t1 += dot32(b_a43, b_i31)
+        b_t2 += dot32(b_a43, b_i32)
+        b_t3 = dot32(b_a43, b_i33)
         b_i44 = inv_unit_lower(_load_block(scratch, r4, eos, 3 * BC, H, BT, BC))
-        _store_block(ai, -_dot32(b_i44, b_t1), r4, eos, 0, H, BT)
-        _store_block(ai, -_dot32(b_i44, b_t2), r4, eos, BC, H, BT)
-        _store_block(ai, -_dot32(b_i44, b_t3), r4, eos, 2 * BC, H, BT)
+        _store_block(ai, -dot32(b_i44, b_t1), r4, eos, 0, H, BT)
+        _store_block(ai, -dot32(b_i44, b_t2), r4, eos, BC, H, BT)
+        _store_block(ai, -dot32(b_i44, b_t3), r4, eos, 2 * BC, H, BT)
         _store_block(ai, b_i44, r4, eos, 3 * BC, H, BT)
         _store_upper_zeros(ai, r1, r2, r3, eos, H, BT, BC)
 
