@@ -253,10 +253,9 @@ def test_chunk_kda_kernels_keep_a_nan_gate():
 def test_kernel_path_traces_as_on_the_gpu(which, expected):
     """The kernel branch traced on the CPU (tests/_trace_kernel_path.py): the ops with
     their saved outputs through AOTAutograd's min-cut partitioner (a backward kernel
-    once seen writing a saved chunk index failed there: "Node getitem_29 was
-    invalid, but is output"), and the layers through torch.export with a dynamic length
-    (a saved or scratch tensor with a dimension of one chunk once made it guard on the
-    length)."""
+    that writes a saved chunk index fails there: "Node ... was invalid, but is output"),
+    and the layers through torch.export with a dynamic length (a saved or scratch tensor
+    with a dimension of one chunk makes it guard on the length)."""
     import subprocess
     import sys
 
