@@ -251,19 +251,22 @@ def _chunk_gdn_bwd_grad_kernel(
 
 
 def grad_config(k_dim: int, v_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
-    """``(BK, BV, num_stages, num_warps)`` of ``_chunk_gdn_bwd_grad_kernel``: 64-key tiles,
-    at least two value steps of at most 64, two stages, 8 warps (:func:`chunk_warps`' 2
-    where it says 2).
+    """``(BK, BV, num_stages, num_warps)`` of ``_chunk_gdn_bwd_grad_kernel``: 64-key tiles
+    (the whole key at K = V = 128 in half precision), at least two value steps of at most
+    64, two stages, 8 warps (:func:`chunk_warps`' 2 where it says 2).
 
-    sm_90 cubin of Triton 3.9, bf16, no local memory a thread at K = V = 128 (223
-    registers; packed 220, QDQ 227), K = V = 64 (BV 32: 223) and K = V = 256 (218),
-    against 416 B of local memory on 4 warps, 384 B in one value step of 64 at K = V = 64,
-    24-96 B with BK 128 on 8 warps. With 2 warps (half inputs, K = V = 32) it spills about
-    1.8 KB a thread.
+    At K = V = 128, bf16, 8x4096x16 on an H100 the whole backward takes 2.421 ms with one
+    128-key tile against 2.747 with two of 64 (1x32768x16: 3.552 against 3.865), though
+    the sm_90 cubin of Triton 3.9 then keeps 24 B a thread in local memory (56 B packed)
+    where 64-key tiles keep none (223 registers). Elsewhere 64-key tiles: no local memory
+    at K = V = 64 (BV 32: 223 registers) and K = V = 256 (218), against 416 B on 4 warps,
+    384 B in one value step of 64 at K = V = 64. With 2 warps (half inputs, K = V = 32)
+    it spills about 1.8 KB a thread.
     """
     warps = chunk_warps(k_dim, v_dim, dtype)
     tile = max(16, min(64, v_dim // 2))
-    return min(k_dim, 64), tile, 2, 8 if warps == 4 else warps
+    key_tile = 128 if dtype != torch.float32 and k_dim == v_dim == 128 else min(k_dim, 64)
+    return key_tile, tile, 2, 8 if warps == 4 else warps
 
 
 def chunk_warps(k_dim: int, v_dim: int, dtype: torch.dtype) -> int:
@@ -344,7 +347,8 @@ def gdn_state_grads(q, k, gc, beta, ai, aqk, v, do, dht, initial_state, cu_seqle
     initial state). ``w``: the WY operands given (``v`` is ``U``, ``dv`` its gradient;
     ``beta`` and ``ai`` unused)."""
     batch, length, n, hk, hv, dk_, dv_, bound, offsets, _ = layout
-    tile, stages, warps = recurrence_config(dk_, dv_, k.dtype, n * hv, v.device)
+    tile, stages, warps = recurrence_config(dk_, dv_, k.dtype, n * hv, v.device,
+                                            "state" if w is None else None)
     dhs = k.new_empty(hs_shape)
     dv = torch.empty_like(v)
     dx = None if w is not None else torch.empty(v.shape, dtype=k.dtype, device=v.device)

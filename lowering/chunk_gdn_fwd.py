@@ -9,8 +9,9 @@ and ``Ai = (I + A)^-1`` (the WY form of
    ``M = (q k^T) * exp(G_i - G_j)`` (``j <= i``) and ``Ai``. ``A`` goes through a
    float32 scratch buffer so that ``Ai`` can be built from its 16 x 16 blocks:
    diagonal blocks inverted by products of powers (:func:`inv_unit_lower`),
-   joined by block products. (Forming each block in registers from its rows of ``k``
-   instead, with no scratch, took 0.553 ms against 0.366 at 8 x 4096 x 16 bf16, H100.)
+   joined by block products, TF32 products where ``Ai`` is stored in half precision
+   (:func:`~._launch.inverse_precision`). (Forming each block in registers from its rows of
+   ``k`` instead, with no scratch, took 0.553 ms against 0.366 at 8 x 4096 x 16 bf16, H100.)
 2. ``_chunk_gdn_fwd_kernel`` (one program per sequence, value head and tile of
    ``BV`` value columns, walking the chunks in order with the state in
    registers): ``delta = Ai (beta (v - (e^G k) S))``,
@@ -47,6 +48,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from torch.fx.experimental.symbolic_shapes import is_concrete_int
 from torch.library import wrap_triton
 
 from kdn_compile.reference.delta_rule import GDN_GATE_FLOOR
@@ -57,12 +59,13 @@ from ._launch import (
     dot_precision,
     fixed_chunk,
     fixed_sequence,
+    inverse_precision,
     num_chunks_bound,
     sm_count,
     state_tile,
     uncovered_inputs,
 )
-from ._tiles import dot32, inv_unit_lower
+from ._tiles import inv_dot, inv_unit_lower
 from .fp8 import qdq_tile, soft_cast
 
 __all__ = [
@@ -130,29 +133,45 @@ def gdn_layout(q, v, cu_seqlens):
     return batch, length, n, hk, hv, dk, dv, bound, offsets, spans
 
 
-def recurrence_config(k_dim: int, v_dim: int, dtype: torch.dtype, programs_per_tile: int,
-                      device) -> tuple[int, int, int]:
+# (BV, num_stages, num_warps) of the plain GDN sequential passes at K = V = 128 in half
+# precision, measured on an H100 (bf16, ms): with many programs (8x4096x16) the forward
+# (32, 2, 4) 0.425 (64, 2, 4: 0.474), the recomputation (64, 2, 4) 0.312 (32, 2, 4: 0.398),
+# the state-gradient pass (64, 3, 8) 0.512 (32, 2, 4: 0.762); with few (1x32768x16) all three
+# (32, 3, 4): 1.019 / 0.931 / 1.132 against 1.231 / 1.021 / 1.198 at (16, 2, 4).
+_WIDE = {"forward": (32, 2, 4), "recompute": (64, 2, 4), "state": (64, 3, 8)}
+_NARROW = (32, 3, 4)
+
+
+def recurrence_config(k_dim: int, v_dim: int, dtype: torch.dtype, seq_heads, device,
+                      kernel: str | None = None) -> tuple[int, int, int]:
     """``(BV, num_stages, num_warps)`` of the sequential kernels (forward and backward state
-    passes).
+    passes), whose grid is sequences x value heads x value tiles.
 
-    Their grid is sequences x heads x value tiles, so narrow tiles buy
-    parallelism when there are few sequences: the largest tile (at most 64, 32
-    for K = 256, 16 for float32 with K >= 128) that keeps two programs per
+    ``kernel``: ``"forward"``, ``"recompute"`` (the backward's recurrence) or ``"state"``
+    (the state-gradient pass) of the plain kernels; at ``K = V = 128`` in half precision
+    these take the configurations measured for them (``_WIDE``) where 64-wide value
+    tiles give at least one program per multiprocessor (``seq_heads``: sequences x value
+    heads; a symbolic count, as under ``torch.export``, counts as many), else
+    ``_NARROW``: 32-wide tiles, three stages, four warps.
+
+    Else (other sizes, float32, and the FP8-QDQ and ``w_quantizer`` variants, ``kernel``
+    None) narrow tiles buy parallelism when there are few sequences: the largest tile
+    (at most 64, 32 for K = 256, 16 for float32 with K >= 128) that keeps two programs per
     multiprocessor. Two pipeline stages, except float32 with K >= 128 (one, to fit
-    shared memory).
-
-    Measured (H200, bf16, K = V = 128, fwd / fwd+bwd ms): 8x4096x16
-    BV 16: 1.69 / 6.22, 32: 1.31 / 5.40, 64: 1.30 / 5.60 (this picks 32);
-    1x32768x16 BV 16: 2.12 / 7.42, 32: 2.17 / 7.65, 64: 2.28 / 9.71 (picks 16).
-    Shared memory (ptxas, bf16, K = 128, two stages): 107 / 115 / 131 KB at BV
-    16 / 32 / 64, so one program per multiprocessor above BV 16. With half inputs
-    one stage is miscompiled by Triton 3.6 on Hopper (bf16 K = 256: wrong outputs at
-    BV 16 and 32 with 4 or 8 warps, an illegal access at 8; fp16 K = 32, V = 16: wrong
-    at 4 warps); two stages are right at every head size.
+    shared memory). Shared memory (ptxas, bf16, K = 128, two stages): 107 / 115 / 131 KB
+    at BV 16 / 32 / 64; three stages at BV 64 overflow the 227 KB of sm_90 in the
+    ``w_quantizer`` variants. With half inputs one stage is miscompiled by Triton 3.6 on
+    Hopper (bf16 K = 256: wrong outputs at BV 16 and 32 with 4 or 8 warps, an illegal
+    access at 8; fp16 K = 32, V = 16: wrong at 4 warps; bf16 K = 128: an illegal access
+    at BV 32); two stages are right at every head size, and three at K = V = 128.
     """
+    if kernel is not None and dtype != torch.float32 and k_dim == v_dim == 128:
+        wide = (not is_concrete_int(seq_heads)
+                or int(seq_heads) * (v_dim // 64) >= sm_count(device))
+        return _WIDE[kernel] if wide else _NARROW
     row_bytes = k_dim * dtype.itemsize
     tile = min(v_dim, 64 if k_dim <= 128 else 32, 16 if row_bytes >= 512 else 64)
-    while tile > 16 and programs_per_tile * (v_dim // tile) < 2 * sm_count(device):
+    while tile > 16 and seq_heads * (v_dim // tile) < 2 * sm_count(device):
         tile //= 2
     return tile, 1 if dtype == torch.float32 and k_dim >= 128 else 2, 4
 
@@ -220,8 +239,8 @@ def _store_upper_zeros(x, r1, r2, r3, eos, H: tl.constexpr, BT: tl.constexpr, BC
 def _chunk_gdn_prepare_kernel(
     q, k, g, beta, gc, ai, aqk, scratch, spans, T,
     H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-    IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, WITH_M: tl.constexpr,
-    WITH_AI: tl.constexpr,
+    IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, INV_PREC: tl.constexpr,
+    WITH_M: tl.constexpr, WITH_AI: tl.constexpr,
 ):
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     if IS_VARLEN:  # index loads in the kernel body: see _launch.py
@@ -267,37 +286,37 @@ def _chunk_gdn_prepare_kernel(
         r2 = r1 + BC
         r3 = r2 + BC
         r4 = r3 + BC
-        b_i11 = inv_unit_lower(_load_block(scratch, r1, eos, 0, H, BT, BC))
+        b_i11 = inv_unit_lower(_load_block(scratch, r1, eos, 0, H, BT, BC), INV_PREC)
         _store_block(ai, b_i11, r1, eos, 0, H, BT)
-        b_t1 = dot32(_load_block(scratch, r2, eos, 0, H, BT, BC), b_i11)
-        b_i22 = inv_unit_lower(_load_block(scratch, r2, eos, BC, H, BT, BC))
-        b_i21 = -dot32(b_i22, b_t1)
+        b_t1 = inv_dot(_load_block(scratch, r2, eos, 0, H, BT, BC), b_i11, INV_PREC)
+        b_i22 = inv_unit_lower(_load_block(scratch, r2, eos, BC, H, BT, BC), INV_PREC)
+        b_i21 = -inv_dot(b_i22, b_t1, INV_PREC)
         _store_block(ai, b_i21, r2, eos, 0, H, BT)
         _store_block(ai, b_i22, r2, eos, BC, H, BT)
         b_a31 = _load_block(scratch, r3, eos, 0, H, BT, BC)
-        b_t1 = dot32(b_a31, b_i11)
+        b_t1 = inv_dot(b_a31, b_i11, INV_PREC)
         b_a32 = _load_block(scratch, r3, eos, BC, H, BT, BC)
-        b_t1 += dot32(b_a32, b_i21)
-        b_t2 = dot32(b_a32, b_i22)
-        b_i33 = inv_unit_lower(_load_block(scratch, r3, eos, 2 * BC, H, BT, BC))
-        b_i31 = -dot32(b_i33, b_t1)
-        b_i32 = -dot32(b_i33, b_t2)
+        b_t1 += inv_dot(b_a32, b_i21, INV_PREC)
+        b_t2 = inv_dot(b_a32, b_i22, INV_PREC)
+        b_i33 = inv_unit_lower(_load_block(scratch, r3, eos, 2 * BC, H, BT, BC), INV_PREC)
+        b_i31 = -inv_dot(b_i33, b_t1, INV_PREC)
+        b_i32 = -inv_dot(b_i33, b_t2, INV_PREC)
         _store_block(ai, b_i31, r3, eos, 0, H, BT)
         _store_block(ai, b_i32, r3, eos, BC, H, BT)
         _store_block(ai, b_i33, r3, eos, 2 * BC, H, BT)
         b_a41 = _load_block(scratch, r4, eos, 0, H, BT, BC)
-        b_t1 = dot32(b_a41, b_i11)
+        b_t1 = inv_dot(b_a41, b_i11, INV_PREC)
         b_a42 = _load_block(scratch, r4, eos, BC, H, BT, BC)
-        b_t1 += dot32(b_a42, b_i21)
-        b_t2 = dot32(b_a42, b_i22)
+        b_t1 += inv_dot(b_a42, b_i21, INV_PREC)
+        b_t2 = inv_dot(b_a42, b_i22, INV_PREC)
         b_a43 = _load_block(scratch, r4, eos, 2 * BC, H, BT, BC)
-        b_t1 += dot32(b_a43, b_i31)
-        b_t2 += dot32(b_a43, b_i32)
-        b_t3 = dot32(b_a43, b_i33)
-        b_i44 = inv_unit_lower(_load_block(scratch, r4, eos, 3 * BC, H, BT, BC))
-        _store_block(ai, -dot32(b_i44, b_t1), r4, eos, 0, H, BT)
-        _store_block(ai, -dot32(b_i44, b_t2), r4, eos, BC, H, BT)
-        _store_block(ai, -dot32(b_i44, b_t3), r4, eos, 2 * BC, H, BT)
+        b_t1 += inv_dot(b_a43, b_i31, INV_PREC)
+        b_t2 += inv_dot(b_a43, b_i32, INV_PREC)
+        b_t3 = inv_dot(b_a43, b_i33, INV_PREC)
+        b_i44 = inv_unit_lower(_load_block(scratch, r4, eos, 3 * BC, H, BT, BC), INV_PREC)
+        _store_block(ai, -inv_dot(b_i44, b_t1, INV_PREC), r4, eos, 0, H, BT)
+        _store_block(ai, -inv_dot(b_i44, b_t2, INV_PREC), r4, eos, BC, H, BT)
+        _store_block(ai, -inv_dot(b_i44, b_t3, INV_PREC), r4, eos, 2 * BC, H, BT)
         _store_block(ai, b_i44, r4, eos, 3 * BC, H, BT)
         _store_upper_zeros(ai, r1, r2, r3, eos, H, BT, BC)
 
@@ -422,6 +441,7 @@ def gdn_prepare(q, k, g, beta, cu_seqlens, layout, *, with_m=True, with_ai=True)
         gc, ai, aqk, scratch, spans, length,
         H=hv, HK=hk, K=dk, BT=CHUNK, BC=_SUB,
         IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(k.dtype),
+        INV_PREC=inverse_precision(ai.dtype if with_ai else k.dtype),
         WITH_M=with_m, WITH_AI=with_ai, num_warps=4,
     )
     return gc, ai, aqk
@@ -437,7 +457,10 @@ def _recurrence(q, k, v, gc, beta, ai, aqk, initial_state, cu_seqlens, layout, *
     ``keep_states``; else both None there). ``w``: the WY operands given, ``W`` and ``U``
     in ``v`` (``beta``, ``ai`` unused)."""
     batch, length, n, hk, hv, dk, dv, bound, offsets, _ = layout
-    tile, stages, warps = recurrence_config(dk, dv, k.dtype, n * hv, v.device)
+    plain = not qdq_block_v and w is None
+    tile, stages, warps = recurrence_config(
+        dk, dv, k.dtype, n * hv, v.device,
+        ("recompute" if recompute else "forward") if plain else None)
     if qdq_block_v:
         tile = qdq_tile_width(dk, dv, qdq_block_v, k.dtype)
     shape = (n, hv, dv, dk) if state_v_first else (n, hv, dk, dv)

@@ -224,10 +224,10 @@ def _two_key_fwd_solve_kernel(
     # diagonal blocks: nilpotent products; below them: block products (all exact fp32), each
     # block row i as T_ij = -T_ii sum_l A_il T_lj summed column block by column block, so that
     # each block dies after its last use (sm_90, 2 warps: 203 registers; row at a time 247)
-    t00 = inv_unit_lower(load_block(ascr, t0, m_0, i_h, 0, Hv, BT, BC))
-    t11 = inv_unit_lower(load_block(ascr, t1, m_1, i_h, BC, Hv, BT, BC))
-    t22 = inv_unit_lower(load_block(ascr, t2, m_2, i_h, 2 * BC, Hv, BT, BC))
-    t33 = inv_unit_lower(load_block(ascr, t3, m_3, i_h, 3 * BC, Hv, BT, BC))
+    t00 = inv_unit_lower(load_block(ascr, t0, m_0, i_h, 0, Hv, BT, BC), "ieee")
+    t11 = inv_unit_lower(load_block(ascr, t1, m_1, i_h, BC, Hv, BT, BC), "ieee")
+    t22 = inv_unit_lower(load_block(ascr, t2, m_2, i_h, 2 * BC, Hv, BT, BC), "ieee")
+    t33 = inv_unit_lower(load_block(ascr, t3, m_3, i_h, 3 * BC, Hv, BT, BC), "ieee")
     t10 = -dot32(t11, dot32(load_block(ascr, t1, m_1, i_h, 0, Hv, BT, BC), t00))
     a20 = load_block(ascr, t2, m_2, i_h, 0, Hv, BT, BC)
     x0 = dot32(a20, t00)

@@ -260,6 +260,24 @@ def test_kernels_gpu(dtype, tol, B, T, Hk, Hv, K, V, cu, gate_scale, seed):
     _check(x, cu_seqlens, state_v_first=K == 64, tol=tol, seed=seed + 1)
 
 
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("cu", [None, [0, 5, 700, 701, 1400]], ids=["fixed", "packed"])
+@pytest.mark.parametrize("sms", [1, 10**6], ids=["wide", "narrow"])
+def test_kernels_gpu_measured_configs(monkeypatch, dtype, cu, sms, seed):
+    """K = V = 128 in half precision under both of ``recurrence_config``'s measured choices,
+    whatever this GPU's size: the wide per-pass tiles (``sm_count`` 1, so every grid counts
+    as many programs) and the narrow ones (a huge ``sm_count``); with the whole-key tiles
+    of ``grad_config``."""
+    from kdn_compile.lowering import chunk_gdn_fwd as fwd_module
+
+    monkeypatch.setattr(fwd_module, "sm_count", lambda device: sms)
+    cu_seqlens = None if cu is None else torch.tensor(cu, dtype=torch.int32, device="cuda")
+    B, T, N = (2, 700, 2) if cu is None else (1, cu[-1], len(cu) - 1)
+    x = delta_inputs(B, T, 2, 4, 128, 128, N=N, dtype=dtype, device="cuda", seed=seed)
+    _check(x, cu_seqlens, state_v_first=False, tol=1e-2, seed=seed + 1)
+
+
 @kernels
 def test_op_kernel_path_autograd():
     """kdn_compile.chunk_gdn takes the kernels (fp32, chunk 64) and its autograd matches."""
