@@ -106,9 +106,10 @@ def test_kda_kernels_hard_resets_against_float64(dtype, tol, seed):
 @pytest.mark.skipif(not triton.__version__.startswith("3.6."),
                     reason="the bound is the local memory Triton 3.6 gives this kernel")
 def test_gdn_grad_kernel_local_memory():
-    """The backward's grad kernel uses no local memory (bf16, K = V = 128, sm_90; see
-    ``grad_config``); the message lists every GDN kernel's registers and local memory (run
-    with ``-s`` to see them when it passes)."""
+    """The backward's grad kernel keeps at most 32 B a thread in local memory (bf16, K = V =
+    128, sm_90: the whole-key tile of ``grad_config``, faster than two 64-key tiles that keep
+    none); the message lists every GDN kernel's registers and local memory (run with ``-s``
+    to see them when it passes)."""
     from kdn_compile.lowering import chunk_gdn_bwd, chunk_gdn_fwd
 
     x = {n: t.cuda() for n, t in _reset_inputs(1, 256, 2, 128, 128, 0).items()}
@@ -131,7 +132,7 @@ def test_gdn_grad_kernel_local_memory():
     report = ", ".join(f"{n}: {r} registers, {s} B local" for n, (r, s) in found.items())
     print(report)
     assert "_chunk_gdn_bwd_grad_kernel" in found, report
-    assert found["_chunk_gdn_bwd_grad_kernel"][1] == 0, report
+    assert found["_chunk_gdn_bwd_grad_kernel"][1] <= 32, report
 
 
 KDN_NAMES = ("q", "k", "v", "log_alpha", "omega", "r", "memory", "precision")
