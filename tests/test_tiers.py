@@ -57,7 +57,7 @@ def test_sees_the_switch_as_it_was():
 
 
 def _suite(tmp_path: Path, file_name: str) -> Path:
-    for name in ("conftest.py", "_helpers.py", "_bounds.py"):
+    for name in ("conftest.py", "_helpers.py", "_bounds.py", "_interpreter.py"):
         shutil.copy(TESTS / name, tmp_path / name)
     source = f"ALLOW_TF32 = {torch.backends.cuda.matmul.allow_tf32}\n" + PROBE
     (tmp_path / file_name).write_text(source)
