@@ -34,6 +34,26 @@ def without_interpreter() -> dict:
     return {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
 
 
+def trace_kernel_paths(*modes: str) -> dict:
+    """``{mode: (passed, output)}``: ``tests/_trace_kernel_path.py`` run once for all
+    ``modes``, in one child process without the interpreter. A mode passed if it ran
+    without raising and the process exited 0 (or 1 because another mode raised); its output
+    ends with the tail of the process's stderr."""
+    import re
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, "tests/_trace_kernel_path.py", *modes],
+                          env=without_interpreter(), capture_output=True, text=True,
+                          timeout=900, cwd=root)
+    parts = dict(re.findall(r"^== (\S+)\n(.*?)(?=^== \S+\n|\Z)", done.stdout, re.M | re.S))
+    raised = {m for m in modes if f"== {m} failed" in done.stdout}
+    exit_ok = done.returncode == 0 or (done.returncode == 1 and bool(raised))
+    return {m: (exit_ok and m in parts and m not in raised,
+                parts.get(m, done.stdout) + "\n" + done.stderr[-3000:]) for m in modes}
+
+
 # A test outside the GPU tiers that runs the kernels: on CUDA, or in the interpreter.
 needs_kernels = pytest.mark.skipif(not (torch.cuda.is_available() or interpreting()),
                                    reason="needs CUDA or TRITON_INTERPRET=1")

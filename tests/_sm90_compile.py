@@ -17,10 +17,12 @@ constants) or the ``identify_accessed_tensors`` of later versions.
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import sys
 import types
 import unittest.mock
+from concurrent.futures import ProcessPoolExecutor
 
 os.environ.pop("TRITON_INTERPRET", None)
 
@@ -242,28 +244,53 @@ def compiled_variants(launches) -> dict:
     return {variant(k, kw): (k, a, kw) for k, a, kw in chosen}
 
 
+def _analysis_key(kernel, args, kwargs):
+    """What the mutation analysis of a launch reads: the kernel, each tensor's dtype and
+    16-byte alignment, every other value."""
+    bound = dict(zip(kernel.arg_names, args), **kwargs)
+    return kernel.fn, tuple(
+        (k, (v.dtype, v.data_ptr() % 16) if isinstance(v, torch.Tensor) else repr(v))
+        for k, v in bound.items())
+
+
+# The work of the pool's processes, which fork from the one that recorded it.
+_WORK: dict = {}
+
+
+def _analyse(index) -> str | None:
+    kernel, args, kwargs = _WORK["launches"][index]
+    written = written_indices(kernel, args, kwargs)
+    return f"{kernel.fn.__name__} {sorted(written)}" if written else None
+
+
+def _compile(name) -> str:
+    kernel, args, kwargs = _WORK["variant"][name]
+    try:
+        compile_sm90(kernel, args, kwargs)
+        return f"ok {name}"
+    except Exception as e:  # noqa: BLE001 - report every kernel
+        return f"FAIL {name}: {type(e).__name__}: {str(e)[-2000:]}"
+
+
 def main() -> int:
     launches = record_launches(every=True)
     first = compiled_variants(launches)
     # torch's analysis asks the active driver for the target: give it sm_90 without a GPU
     triton.runtime.driver.set_active(types.SimpleNamespace(
         get_current_target=lambda: GPUTarget("cuda", 90, 32)))
-    seen = set()
-    for kernel, _, args, kwargs in launches:
-        written = written_indices(kernel, args, kwargs)
-        if written:
-            seen.add(f"{kernel.fn.__name__} {sorted(written)}")
-    for line in sorted(seen):
-        print(f"WRITES INDEX {line}")
-    print(f"{len(seen)} kernels write index tensors")
-    failed = 0
-    for name, (kernel, args, kwargs) in sorted(first.items()):
-        try:
-            compile_sm90(kernel, args, kwargs)
-            print(f"ok {name}")
-        except Exception as e:  # noqa: BLE001 - report every kernel
-            failed += 1
-            print(f"FAIL {name}: {type(e).__name__}: {str(e)[-2000:]}")
+    # each distinct launch analysed once; analyses and compiles spread over the CPUs
+    distinct = {_analysis_key(k, a, kw): (k, a, kw) for k, _, a, kw in launches}
+    _WORK["launches"], _WORK["variant"] = list(distinct.values()), first
+    workers = min(4, len(os.sched_getaffinity(0)))
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
+        seen = {line for line in pool.map(_analyse, range(len(distinct))) if line}
+        for line in sorted(seen):
+            print(f"WRITES INDEX {line}")
+        print(f"{len(seen)} kernels write index tensors")
+        results = list(pool.map(_compile, sorted(first)))
+    for line in results:
+        print(line)
+    failed = sum(line.startswith("FAIL") for line in results)
     print(f"{len(first)} kernels, {failed} failed")
     return 1 if failed or seen or not first else 0
 

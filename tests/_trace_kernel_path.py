@@ -12,12 +12,18 @@ torch's Triton mutation analysis (given an sm_90 target) and the min-cut
 partitioner (Inductor's, and opcheck's) all run, as on the H200. The kernel branch is forced on CPU fake
 tensors; the captured graphs are not run. Prints ``counts [forward, backward]``:
 the Triton kernel launches in each graph. Run without ``TRITON_INTERPRET``.
+
+Several modes run in turn in one process (``python tests/_trace_kernel_path.py gdn kda``),
+each after a line ``== MODE``; a mode that raises prints ``== MODE failed`` and its
+traceback, the next modes still run, and the exit status is 1
+(:func:`_helpers.trace_kernel_paths` runs it and splits the output by mode).
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import traceback
 
 import torch
 import triton
@@ -96,7 +102,10 @@ def main(which: str) -> None:
             return torch.ops.kdn.chunk_kda(q, k, v, g, beta, initial_state, None, 64, 0.25,
                                            False)
     else:
-        x = kdn_inputs(B=2, T=70, H=2, K=16, V=16, dtype=torch.float32)
+        # gain: the memory by the reference math, traced chunk by chunk (symbolic shapes make
+        # each chunk costly): 40 tokens are two chunks of 16 and a partial one
+        x = kdn_inputs(B=2, T=40 if which == "gain" else 70, H=2, K=16, V=16,
+                       dtype=torch.float32)
         chunk = 16 if which == "gain" else 64  # 64: the memory on the two-key kernels
 
         def step(*args):
@@ -117,4 +126,13 @@ def main(which: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    failed = False
+    for mode in sys.argv[1:]:
+        print(f"== {mode}", flush=True)
+        torch._dynamo.reset()
+        try:
+            main(mode)
+        except Exception:  # noqa: BLE001 - report it under its mode, run the next
+            failed = True
+            print(f"== {mode} failed\n{traceback.format_exc()}", flush=True)
+    sys.exit(1 if failed else 0)

@@ -129,8 +129,10 @@ def _kernel_bounds():
         yield
         return
     from _bounds import VIOLATIONS, install
+    from _interpreter import install as install_fast_patch
 
     install()
+    install_fast_patch()
     before = len(VIOLATIONS)
     yield
     found = VIOLATIONS[before:]

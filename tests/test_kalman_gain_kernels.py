@@ -10,8 +10,6 @@ Triton interpreter at tiny sizes; the CUDA cases skip without a GPU.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -22,7 +20,7 @@ from kdn_compile.lowering.kalman_gain import (
 )
 from kdn_compile.reference import diag_kdn_recurrent, kalman_gain
 
-from _helpers import assert_close, gpu, kernels, without_interpreter
+from _helpers import assert_close, gpu, kernels, trace_kernel_paths, without_interpreter
 from _inputs import gain_inputs, kdn_inputs
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -287,10 +285,5 @@ def test_diag_kdn_kernel_path_compiles_fullgraph():
     Traced on the CPU with the kernel branch forced and an sm_90 target given to
     torch's Triton mutation analysis (``tests/_trace_kernel_path.py``); not run.
     """
-    import subprocess
-    import sys
-
-    done = subprocess.run([sys.executable, "tests/_trace_kernel_path.py", "gain"],
-                          env=without_interpreter(), capture_output=True, text=True, timeout=300,
-                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    assert done.returncode == 0 and "counts [3, 3]" in done.stdout, done.stderr[-3000:]
+    passed, output = trace_kernel_paths("gain")["gain"]
+    assert passed and "counts [3, 3]" in output, output

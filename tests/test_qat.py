@@ -8,13 +8,11 @@ gradients included. The GPU runs of the same checks: ``tests/test_qat_gpu.py``.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 import kdn_compile
-from _helpers import kernels, needs_kernels, without_interpreter
+from _helpers import kernels, needs_kernels, trace_kernel_paths
 from kdn_compile.quantization import fp8_row_qdq
 from kdn_compile.reference.fp8 import e4m3_scale, quantize_state_fp8, state_fp8_qdq_reference
 
@@ -231,24 +229,23 @@ def test_state_fp8_qdq_takes_the_kernel_and_passes_gradients_through(monkeypatch
     assert torch.equal(x.grad, grad), "straight-through"
 
 
+@pytest.fixture(scope="module")
+def qat_kernel_path_traces():
+    return trace_kernel_paths("gdn-qdq", "wy")
+
+
 @pytest.mark.parametrize("which,expected", [("gdn-qdq", "counts [2, 3]"),
                                             ("wy", "counts [4, 4]")])
-def test_qat_kernel_paths_trace_as_on_the_gpu(which, expected):
-    """The kernel branches traced on the CPU (tests/_trace_kernel_path.py) with
-    ``fullgraph=True`` through AOTAutograd's min-cut partitioner, as on the H200.
-    ``gdn-qdq``: ``kdn::chunk_gdn`` with FP8 state QDQ: two forward launches (prepare,
-    recurrence), three backward (the chunk states, float8 bit for bit, with ``delta``; state
-    pass; gradients). ``wy``: ``chunk_gdn`` with a ``w_quantizer`` in the graph between the operands
-    (prepare, W and U) and the recurrence (prepare, recurrence); backward: recomputed
-    states, state pass, gradients, then the operands' gradients."""
-    import subprocess
-    import sys
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    done = subprocess.run([sys.executable, "tests/_trace_kernel_path.py", which],
-                          env=without_interpreter(),
-                          capture_output=True, text=True, timeout=600, cwd=root)
-    assert done.returncode == 0 and expected in done.stdout, done.stdout + done.stderr[-3000:]
+def test_qat_kernel_paths_trace_as_on_the_gpu(qat_kernel_path_traces, which, expected):
+    """The kernel branches traced on the CPU (tests/_trace_kernel_path.py, both modes in one
+    child process) with ``fullgraph=True`` through AOTAutograd's min-cut partitioner, as on
+    the H200. ``gdn-qdq``: ``kdn::chunk_gdn`` with FP8 state QDQ: two forward launches
+    (prepare, recurrence), three backward (the chunk states, float8 bit for bit, with
+    ``delta``; state pass; gradients). ``wy``: ``chunk_gdn`` with a ``w_quantizer`` in the
+    graph between the operands (prepare, W and U) and the recurrence (prepare, recurrence);
+    backward: recomputed states, state pass, gradients, then the operands' gradients."""
+    passed, output = qat_kernel_path_traces[which]
+    assert passed and expected in output, output
 
 
 # -- w_quantizer: the WY operands and the recurrence from them on their kernels ------------------

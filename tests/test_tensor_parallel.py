@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import collections
 import copy
-import functools
 
 import pytest
 import torch
 from _distributed import spawn
-from _helpers import rel_error
+from _helpers import interpreting, rel_error
 from _inputs import delta_inputs, kdn_inputs
 
 import kdn_compile
@@ -331,12 +330,7 @@ def _kernel_op_cases(family: str) -> dict:
                 lambda **a: kdn_compile.chunk_gdn(**a, w_quantizer=lambda w: 0.5 * w), x)}
 
 
-def kernel_rank_worker(family, rank, world):
-    from torch.distributed.device_mesh import init_device_mesh
-
-    calls = _launch_as_on_cuda_under_torch_2_11()
-    kdn_compile.set_backend("triton")
-    mesh = init_device_mesh("cpu", (world,))
+def _kernel_family(mesh, calls, family: str) -> dict:
     errors, launched = {}, {}
     for case, (run, x) in _kernel_op_cases(family).items():
         before = calls.copy()
@@ -349,6 +343,24 @@ def kernel_rank_worker(family, rank, world):
     for (n, p), (_, q) in zip(layer.named_parameters(), single.named_parameters()):
         errors[f"layer: d{n}"] = rel_error(_full(p.grad), q.grad)
     return {"errors": errors, "launched": launched}
+
+
+def kernel_rank_worker(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if interpreting():  # the interpreter's faster language patch, as conftest.py installs it
+        from _interpreter import install
+
+        install()
+    calls = _launch_as_on_cuda_under_torch_2_11()
+    kdn_compile.set_backend("triton")
+    mesh = init_device_mesh("cpu", (world,))
+    return {family: _kernel_family(mesh, calls, family) for family in KERNEL_BACKWARD}
+
+
+@pytest.fixture(scope="module")
+def kernel_ranks():
+    return spawn(kernel_rank_worker, 2)
 
 
 # the backward kernels of each case: launched on one device then on the rank's shards (the
@@ -365,11 +377,14 @@ KERNEL_BACKWARD = {
 
 
 @pytest.mark.parametrize("family", list(KERNEL_BACKWARD))
-def test_kernel_ops_run_sharded_where_the_metadata_comes_from_the_reference(family):
+def test_kernel_ops_run_sharded_where_the_metadata_comes_from_the_reference(kernel_ranks,
+                                                                            family):
     """On head-sharded DTensors the ranks run the kernel ops, forward and backward, while
     DTensor takes their outputs' metadata from the reference branch (as torch 2.11 does on
-    CUDA): outputs, gradients and the layer's parameter gradients equal one device's."""
-    for rank, result in enumerate(spawn(functools.partial(kernel_rank_worker, family), 2)):
+    CUDA): outputs, gradients and the layer's parameter gradients equal one device's. The
+    three families run in turn on the same two processes."""
+    for rank, by_family in enumerate(kernel_ranks):
+        result = by_family[family]
         assert result["launched"] == KERNEL_BACKWARD[family], f"rank {rank}"
         worst = {k: e for k, e in result["errors"].items() if not e <= 2e-5}  # float32
         assert not worst, f"rank {rank}: {worst}"

@@ -7,12 +7,10 @@ themselves: ``test_two_key_kernels.py``.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-from _helpers import assert_close, count_calls, kernels, without_interpreter
+from _helpers import assert_close, count_calls, kernels, trace_kernel_paths
 from _inputs import delta_inputs, kdn_inputs
 from kdn_compile.lowering.two_key_common import LOG_DECAY_BOUND
 from test_two_key_kernels import FP32_TOL, HALF_GATE_GRAD_TOL, HALF_TOL
@@ -247,23 +245,23 @@ def test_chunk_kda_kernels_keep_a_nan_gate():
     assert not torch.isfinite(s).all()
 
 
+@pytest.fixture(scope="module")
+def kernel_path_traces():
+    return trace_kernel_paths("gdn", "kda", "kdn", "export")
+
+
 @pytest.mark.parametrize("which,expected", [("gdn", "counts [2, 3]"), ("kda", "counts [5, 4]"),
                                             ("kdn", "counts [8, 7]"),
                                             ("export", "exported kdn ['kdn.diag_kdn.default']")])
-def test_kernel_path_traces_as_on_the_gpu(which, expected):
-    """The kernel branch traced on the CPU (tests/_trace_kernel_path.py): the ops with
-    their saved outputs through AOTAutograd's min-cut partitioner (a backward kernel
-    that writes a saved chunk index fails there: "Node ... was invalid, but is output"),
-    and the layers through torch.export with a dynamic length (a saved or scratch tensor
-    with a dimension of one chunk makes it guard on the length)."""
-    import subprocess
-    import sys
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    done = subprocess.run([sys.executable, "tests/_trace_kernel_path.py", which],
-                          env=without_interpreter(),
-                          capture_output=True, text=True, timeout=600, cwd=root)
-    assert done.returncode == 0 and expected in done.stdout, done.stdout + done.stderr[-3000:]
+def test_kernel_path_traces_as_on_the_gpu(kernel_path_traces, which, expected):
+    """The kernel branch traced on the CPU (tests/_trace_kernel_path.py, the four modes in
+    one child process): the ops with their saved outputs through AOTAutograd's min-cut
+    partitioner (a backward kernel that writes a saved chunk index fails there: "Node ...
+    was invalid, but is output"), and the layers through torch.export with a dynamic length
+    (a saved or scratch tensor with a dimension of one chunk makes it guard on the
+    length)."""
+    passed, output = kernel_path_traces[which]
+    assert passed and expected in output, output
     if which == "export":
-        assert "exported kda ['kdn.chunk_kda.default']" in done.stdout, done.stdout
-        assert "exported gdn ['kdn.chunk_gdn.default']" in done.stdout, done.stdout
+        assert "exported kda ['kdn.chunk_kda.default']" in output, output
+        assert "exported gdn ['kdn.chunk_gdn.default']" in output, output
