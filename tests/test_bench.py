@@ -141,6 +141,23 @@ def _event(name, us, device=torch.autograd.DeviceType.CUDA):
                                  time_range=types.SimpleNamespace(elapsed_us=lambda: us))
 
 
+def test_forward_backward_step_starts_from_no_gradients():
+    # each step is a training step after zero_grad(): the leaves' gradients are this step's,
+    # not the sum over the steps run so far
+    x = torch.arange(6.0).reshape(2, 3)
+    seen = []
+
+    def fn(a, b):
+        seen[:] = [a, b]
+        return (a * b,)
+    step = timing.fwd_bwd(fn, [x, x + 1.0], torch.ones(2, 3))
+    for _ in range(3):
+        step()
+    a, b = seen
+    torch.testing.assert_close(a.grad, x + 1.0)
+    torch.testing.assert_close(b.grad, x)
+
+
 def test_kernel_times_group_device_events_per_step():
     events = [_event("fwd", 100.0), _event("bwd", 300.0), _event("fwd", 120.0),
               _event("bwd", 280.0), _event("aten::mm", 999.0, torch.autograd.DeviceType.CPU)]

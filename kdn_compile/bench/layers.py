@@ -60,9 +60,12 @@ def check(against_fla: bool) -> dict[str, float]:
     return require_close(errors, TOLERANCE, "layers")
 
 
-def _step(fn, x, grad):
+def _step(fn, x, grad, module):
+    """A training step of ``fn`` on ``x``: gradients set to None first, as ``zero_grad()``
+    does."""
     def run():
         x.grad = None
+        module.zero_grad(set_to_none=True)
         fn(x).backward(grad)
     return run
 
@@ -74,13 +77,13 @@ def _steps(name: str, shape: Shape, against_fla: bool, *, eager: bool = True) ->
     x = torch.randn(B, T, H * HEAD_DIM, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     grad = torch.randn_like(x)
     layer = our_layer(name, H).to(torch.bfloat16)
-    impls = {"ours": torch.compile(lambda t: layer(t)[0], fullgraph=True)}
+    impls = {"ours": (torch.compile(lambda t: layer(t)[0], fullgraph=True), layer)}
     if eager:
-        impls["ours eager"] = lambda t: layer(t)[0]
+        impls["ours eager"] = (lambda t: layer(t)[0], layer)
     fla = fla_layer(name, H) if against_fla else None
     if fla is not None:
-        impls["FLA"] = lambda t: fla(t)[0]
-    return {impl: _step(fn, x, grad) for impl, fn in impls.items()}
+        impls["FLA"] = (lambda t: fla(t)[0], fla)
+    return {impl: _step(fn, x, grad, module) for impl, (fn, module) in impls.items()}
 
 
 def measure(shape: Shape, against_fla: bool) -> list[dict]:

@@ -104,11 +104,15 @@ def require_close(errors: dict[str, float], tolerance: float, where: str) -> dic
 
 def fwd_bwd(fn: Callable[..., Sequence[torch.Tensor]], inputs: Sequence[torch.Tensor],
             grad: torch.Tensor) -> Callable[[], None]:
-    """A step running ``fn(*leaves)`` and its backward from ``grad`` on the first output,
-    with ``leaves`` fresh copies of the floating ``inputs`` that require gradients."""
+    """A training step: ``fn(*leaves)`` and its backward from ``grad`` on the first output,
+    with ``leaves`` fresh copies of the floating ``inputs`` that require gradients. Each step
+    starts with the leaves' ``.grad`` set to None, as ``zero_grad()`` does, so that autograd
+    hands the gradients over instead of adding them to the previous step's."""
     leaves = [t.detach().clone().requires_grad_(t.is_floating_point()) for t in inputs]
 
     def step():
+        for leaf in leaves:
+            leaf.grad = None
         torch.autograd.backward([fn(*leaves)[0]], [grad])
     return step
 
