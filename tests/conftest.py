@@ -129,10 +129,10 @@ def _kernel_bounds():
         yield
         return
     from _bounds import VIOLATIONS, install
-    from _interpreter import install as install_fast_patch
+    from _interpreter import install as install_speedups
 
     install()
-    install_fast_patch()
+    install_speedups()
     before = len(VIOLATIONS)
     yield
     found = VIOLATIONS[before:]

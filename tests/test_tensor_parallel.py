@@ -348,7 +348,7 @@ def _kernel_family(mesh, calls, family: str) -> dict:
 def kernel_rank_worker(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
 
-    if interpreting():  # the interpreter's faster language patch, as conftest.py installs it
+    if interpreting():  # the interpreter's speed-ups, as conftest.py installs them
         from _interpreter import install
 
         install()
