@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import operator
+import sys
 from typing import NoReturn
 
 import torch
@@ -81,7 +82,9 @@ def shown(value) -> str:
     if isinstance(value, float):
         if torch.compiler.is_compiling() and -math.inf < value < math.inf:
             # Dynamo formats no symbolic float; the floor of an int is one it can read
-            return str(operator.index(math.floor(value * 1e6)) / 1e6)
+            if -1e300 < value < 1e300:
+                return str(operator.index(math.floor(value * 1e6)) / 1e6)
+            return "a float >= 1e300" if value > 0 else "a float <= -1e300"
         return str(value)
     if isinstance(value, int):
         return str(operator.index(value))
@@ -388,6 +391,9 @@ def check_float(name: str, value) -> float:
     # comparisons, not math.isfinite: under torch.compile the float may be symbolic
     if isinstance(value, float) and not -math.inf < value < math.inf:
         fail(ValueError, f"{name} must be finite, got {shown(value)}")
+    if isinstance(value, int) and not -sys.float_info.max <= value <= sys.float_info.max:
+        fail(ValueError, f"{name} must be a finite float, got an int of "
+                         f"{value.bit_length()} bits, beyond the float range")
     return float(value)
 
 

@@ -132,7 +132,8 @@ def delta_rule_decode(
     """
     check_delta_inputs(q, k, v, g, beta, gate="any")
     _check_tokens(q)
-    _check_inference(q=q, k=k, v=v, g=g, beta=beta, state_pool=state_pool)
+    _check_inference(q=q, k=k, v=v, g=g, beta=beta, state_pool=state_pool,
+                     pool_scales=pool_scales, intermediate_states=intermediate_states)
     check_flag("state_v_first", state_v_first)
     b, t, _, dk = q.shape
     hv, dv = v.shape[2], v.shape[3]

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from kdn_compile import fla
-from kdn_compile._checks import fail, sequence_of, type_name
+from kdn_compile._checks import check_cu_seqlens, fail, sequence_of, type_name
 
 __all__ = ["use_kdn", "LAYERS", "causal_conv1d"]
 
@@ -56,11 +56,18 @@ def causal_conv1d(hidden_states: torch.Tensor, weight: torch.Tensor,
         ``[B, C, T]`` in the dtype of ``hidden_states``.
 
     Raises:
-        ValueError: ``activation`` is another name.
+        ValueError: ``activation`` is another name; ``cu_seq_lens_q`` not ``[N + 1]``, with
+            ``B != 1`` or boundaries that do not start at 0, rise and end at ``T`` (as the
+            ops check them: on CUDA or while compiling a device-side assert).
+        TypeError: ``cu_seq_lens_q`` not an int32 or int64 tensor.
     """
     if activation not in (None, "silu", "swish"):
         raise ValueError(f"activation must be 'silu', 'swish' or None, got {activation!r}")
     length, width = hidden_states.shape[-1], weight.shape[-1]
+    if cu_seq_lens_q is not None:
+        check_cu_seqlens(cu_seq_lens_q, hidden_states.shape[0], cu_seq_lens_q.device
+                         if isinstance(cu_seq_lens_q, torch.Tensor) else hidden_states.device,
+                         length)
     x = hidden_states.to(weight.dtype)
     if cu_seq_lens_q is not None:
         starts = cu_seq_lens_q.to(device=x.device, dtype=torch.long)

@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kdn_compile._checks import _FLOATS, check_cu_seqlens, check_state, check_tensor, dims, fail
+from kdn_compile._checks import _FLOATS, check_cu_seqlens, check_float, check_state, check_tensor
+from kdn_compile._checks import dims, fail
 from kdn_compile._checks import listed, num_sequences, sequence_of, shown
 from kdn_compile.reference._common import to_work
 
@@ -152,6 +153,19 @@ def check_sizes(**sizes: int | None) -> None:
         least = 2 if name == "conv_size" else 1
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
             fail(ValueError, f"{name} must be an int >= {least}, got {shown(value)}")
+
+
+def check_eps(name: str, value) -> float:
+    """A layer constructor's epsilon: a finite real number ``>= 0``, as float.
+
+    Raises:
+        TypeError: not a real number (a bool, a string, None).
+        ValueError: not finite, or negative; naming the argument and its value.
+    """
+    value = check_float(name, value)
+    if not value >= 0:
+        fail(ValueError, f"{name} must be >= 0, got {shown(value)}")
+    return value
 
 
 def decay_rate_log(heads: int) -> torch.Tensor:

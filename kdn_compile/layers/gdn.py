@@ -18,6 +18,7 @@ from kdn_compile.reference.pools import POOL_BLOCK_V
 from kdn_compile.layers._common import (
     GatedRMSNorm,
     ShortConv,
+    check_eps,
     check_sizes,
     convolved_qkv,
     decay_rate_log,
@@ -87,10 +88,12 @@ class GatedDeltaNet(SlotCache, nn.Module):
     Raises:
         ValueError: ``num_v_heads`` not a multiple of ``num_heads``, or a size
             (``hidden_size``, head counts and dims, ``chunk_size``, ``conv_size >= 2``,
-            ``state_qdq_block_v``) not a positive int; ``state_qdq`` or ``w_quantizer``
+            ``state_qdq_block_v``) not a positive int; ``norm_eps`` not finite or negative;
+            ``state_qdq`` or ``w_quantizer``
             on :class:`~kdn_compile.layers.KimiDeltaAttention` (the chunked KDA op has
             neither).
-        TypeError: ``state_qdq`` not a bool, ``w_quantizer`` neither None nor callable.
+        TypeError: ``state_qdq`` not a bool, ``w_quantizer`` neither None nor callable,
+            ``norm_eps`` not a real number.
         ValueError (forward): ``x`` not ``[B, T, D]``, ``cu_seqlens`` with ``B != 1`` or
             boundaries that do not start at 0, rise and end at ``T`` (checked before
             the packed convolution; on CUDA or while compiling a device-side assert,
@@ -126,6 +129,7 @@ class GatedDeltaNet(SlotCache, nn.Module):
         check_sizes(hidden_size=hidden_size, num_heads=num_heads, head_dim=head_dim,
                     num_v_heads=num_v_heads, head_v_dim=head_v_dim, conv_size=conv_size,
                     chunk_size=chunk_size, state_qdq_block_v=state_qdq_block_v)
+        norm_eps = check_eps("norm_eps", norm_eps)
         check_flag("state_qdq", state_qdq)
         check_callable("w_quantizer", w_quantizer)
         if self.gate_per_key and (state_qdq or w_quantizer is not None):

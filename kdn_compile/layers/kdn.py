@@ -9,8 +9,8 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from kdn_compile.api import diag_kdn
 from kdn_compile._checks import check_float, check_state, num_sequences
-from kdn_compile.layers._common import GatedRMSNorm, ShortConv, check_sizes, convolved_qkv, heads
-from kdn_compile.layers._common import decay_rate_log, time_step_bias
+from kdn_compile.layers._common import GatedRMSNorm, ShortConv, check_eps, check_sizes, convolved_qkv
+from kdn_compile.layers._common import decay_rate_log, heads, time_step_bias
 from kdn_compile.layers._serving import SlotCache, load_state, write_slots
 from kdn_compile.layers._state import LayerState, signature, state_entries
 from kdn_compile.reference._common import to_work, work_dtype
@@ -72,7 +72,9 @@ class DiagKDN(SlotCache, nn.Module):
 
     Raises:
         ValueError: a size (``hidden_size``, ``num_heads``, head dims, ``chunk_size``,
-            ``conv_size >= 2``) not a positive int; a NaN or infinite ``info_scale``.
+            ``conv_size >= 2``) not a positive int; a NaN or infinite ``info_scale``; a
+            ``norm_eps`` not finite or negative.
+        TypeError: ``norm_eps`` or ``info_scale`` not a real number.
         ValueError (forward): ``x`` not ``[B, T, D]``, ``cu_seqlens`` with ``B != 1`` or
             boundaries that do not start at 0, rise and end at ``T`` (checked before
             the packed convolution; on CUDA or while compiling a device-side assert,
@@ -100,6 +102,7 @@ class DiagKDN(SlotCache, nn.Module):
         super().__init__()
         check_sizes(hidden_size=hidden_size, num_heads=num_heads, head_dim=head_dim,
                     head_v_dim=head_v_dim, conv_size=conv_size, chunk_size=chunk_size)
+        norm_eps = check_eps("norm_eps", norm_eps)
         head_v_dim = head_dim if head_v_dim is None else head_v_dim
         self.num_heads, self.head_dim, self.head_v_dim = num_heads, head_dim, head_v_dim
         self.info_scale, self.chunk_size = check_float("info_scale", info_scale), chunk_size
