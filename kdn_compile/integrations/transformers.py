@@ -64,12 +64,11 @@ def causal_conv1d(hidden_states: torch.Tensor, weight: torch.Tensor,
     if activation not in (None, "silu", "swish"):
         raise ValueError(f"activation must be 'silu', 'swish' or None, got {activation!r}")
     length, width = hidden_states.shape[-1], weight.shape[-1]
-    if cu_seq_lens_q is not None:
-        check_cu_seqlens(cu_seq_lens_q, hidden_states.shape[0], cu_seq_lens_q.device
-                         if isinstance(cu_seq_lens_q, torch.Tensor) else hidden_states.device,
-                         length)
     x = hidden_states.to(weight.dtype)
     if cu_seq_lens_q is not None:
+        # boundaries on any device: they are moved to the input's
+        check_cu_seqlens(cu_seq_lens_q, x.shape[0], getattr(cu_seq_lens_q, "device", x.device),
+                         length)
         starts = cu_seq_lens_q.to(device=x.device, dtype=torch.long)
         steps = torch.arange(length, device=x.device)
         position = steps - starts[sequence_of(starts, steps)]
