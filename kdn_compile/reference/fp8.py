@@ -47,13 +47,19 @@ def e4m3_scale(amax: torch.Tensor) -> torch.Tensor:
     return torch.where(scale >= E4M3_MIN_SCALE, scale, torch.ones_like(scale))
 
 
-def _tiles(state: torch.Tensor, block_v: int) -> torch.Tensor:
-    """``[..., K, V]`` -> ``[..., K, n_tiles, width]``, the last tile zero-padded; ``width =
-    min(block_v, V)`` (at least 1): one tile where ``block_v >= V``, the same scale as a
-    ``block_v``-wide tile of zero padding, without allocating the padding."""
-    block_v = max(1, min(block_v, state.shape[-1]))
-    tiles = torch.nn.functional.pad(state, (0, (-state.shape[-1]) % block_v))
-    return tiles.unflatten(-1, (tiles.shape[-1] // block_v, block_v))
+def _tile_width(state: torch.Tensor, block_v: int) -> int:
+    """Columns per scale: ``min(block_v, V)``, at least 1 (one tile where ``block_v >= V``,
+    the same scale as a ``block_v``-wide tile with zero padding)."""
+    return max(1, min(block_v, state.shape[-1]))
+
+
+def _per_column(scales: torch.Tensor, value_dim: int, width: int) -> torch.Tensor:
+    """``scales [..., n_tiles]`` -> ``[..., V]``, each column its tile's scale.
+
+    An index, not padding the state to whole tiles: Inductor on the CPU (torch 2.13)
+    miscompiled the padded form's partial last tile (V = 80 at 64-column tiles).
+    """
+    return scales.index_select(-1, torch.arange(value_dim, device=scales.device) // width)
 
 
 def quantize_state_fp8(
@@ -69,11 +75,14 @@ def quantize_state_fp8(
         rounding (to nearest, ties to even) happen in that dtype; ``|state / scale| <= 448``.
     """
     with torch.no_grad():
-        tiles = to_work(_tiles(state, block_v))
         # Scales in float32 at least: amax / 448 underflows in float16.
-        scales = e4m3_scale(tiles.abs().amax(dim=(-3, -1)))
-        values = (tiles / scales[..., None, :, None]).to(torch.float8_e4m3fn)
-        return values.flatten(-2)[..., : state.shape[-1]].contiguous(), scales
+        x = to_work(state)
+        value_dim, width = x.shape[-1], _tile_width(x, block_v)
+        tiles = -(-value_dim // width)
+        columns = torch.nn.functional.pad(x.abs().amax(dim=-2), (0, tiles * width - value_dim))
+        scales = e4m3_scale(columns.unflatten(-1, (tiles, width)).amax(dim=-1))
+        values = (x / _per_column(scales, value_dim, width)[..., None, :])
+        return values.to(torch.float8_e4m3fn).contiguous(), scales
 
 
 def dequantize_state_fp8(
@@ -86,9 +95,9 @@ def dequantize_state_fp8(
     returns them (any floating dtype, cast to ``dtype``); returns ``[..., K, V]`` in
     ``dtype`` (a tile of scale 1 with zero values, a tiny one, comes back as zeros).
     """
-    tiles = _tiles(values.to(dtype), block_v)
-    tiles = tiles * scales.to(dtype)[..., None, :, None]
-    return tiles.flatten(-2)[..., : values.shape[-1]].contiguous()
+    width = _tile_width(values, block_v)
+    return (values.to(dtype) * _per_column(scales.to(dtype), values.shape[-1], width)[..., None, :]
+            ).contiguous()
 
 
 def state_fp8_qdq_reference(state: torch.Tensor, block_v: int = 64) -> torch.Tensor:
