@@ -315,27 +315,32 @@ def check_kdn_inputs(
 
 
 def check_pool(name: str, pool, layout: str, row_shape: tuple, dtypes: tuple, device,
-               *, slots=None):
+               *, slots=None, beside: str = "q", written: bool = True):
     """A contiguous tensor ``[slots, *row_shape]`` (``layout`` names the dims in messages) of
-    one of ``dtypes`` on ``device``; ``slots`` ``None`` takes any count >= 1. Returns the count."""
+    one of ``dtypes`` on ``device`` (the device of the argument ``beside``); ``slots``
+    ``None`` takes any count >= 1 (a pool), an expected count any value (rows of a batch,
+    none included). ``written``: the message of a strided tensor says it is written in
+    place. Returns the count. The expected shape is formatted only for a message, so that
+    symbolic sizes keep their symbols (no specialization while compiling)."""
     if not isinstance(pool, torch.Tensor):
         fail(TypeError, f"{name} must be a torch.Tensor, got {type(pool).__name__}")
     if pool.dtype not in dtypes:
         allowed = ", ".join(str(d).replace("torch.", "") for d in dtypes)
         fail(TypeError, f"{name} must be {allowed}, got {pool.dtype}")
-    expected = ("S" if slots is None else shown(slots),) + tuple(shown(n) for n in row_shape)
-    if pool.dim() != len(expected) or tuple(pool.shape[1:]) != tuple(row_shape) or (
+    if pool.dim() != 1 + len(row_shape) or tuple(pool.shape[1:]) != tuple(row_shape) or (
         slots is not None and pool.shape[0] != slots
     ):
+        expected = ("S" if slots is None else shown(slots),) + tuple(shown(n) for n in row_shape)
         fail(ValueError, f"{name} must be {layout} = ({', '.join(expected)}), "
                          f"got {dims(pool.shape)}")
-    if pool.shape[0] < 1:
+    if slots is None and pool.shape[0] < 1:
         fail(ValueError, f"{name} must have at least one slot, got shape {dims(pool.shape)}")
     if pool.device != device:
-        fail(ValueError, f"{name} is on {pool.device} but q is on {device}")
+        fail(ValueError, f"{name} is on {pool.device} but {beside} is on {device}")
     if not pool.is_contiguous():
-        fail(ValueError, f"{name} must be contiguous (it is updated in place): call "
-                         f".contiguous() once when allocating it")
+        fail(ValueError, f"{name} must be contiguous" + (
+            " (it is updated in place): call .contiguous() once when allocating it" if written
+            else ": call .contiguous() on it"))
     return pool.shape[0]
 
 

@@ -418,3 +418,27 @@ def test_strided_indices_empty_batch_and_grad_inputs(backend):
         assert torch.equal(p1, p2)
         with torch.no_grad():
             kdn_compile.delta_rule_decode(q, *list(x.values())[1:], p1, strided)
+
+
+def test_decode_with_intermediate_states_keeps_the_batch_dynamic_and_takes_none():
+    """The argument checks do not specialize the batch (one graph for batches 2..5 under
+    ``dynamic=True``), and an empty batch with intermediate states runs."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+
+    def step(x, pool, idx, inter):
+        return kdn_compile.delta_rule_decode(*x.values(), pool, idx, intermediate_states=inter)
+
+    compiled = torch.compile(step, backend=backend, fullgraph=True, dynamic=True)
+    pool = torch.zeros(8, 1, 4, 4)
+    for batch in (2, 3, 4, 5):
+        x = delta_inputs(B=batch, T=1, Hk=1, Hv=1, K=4, V=4, dtype=torch.float32,
+                         with_state=False, seed=batch)
+        compiled(x, pool, torch.arange(batch), torch.zeros(batch, 1, 1, 4, 4))
+    assert len(graphs) == 1, f"{len(graphs)} graphs"
+    empty = delta_inputs(B=0, T=2, Hk=1, Hv=1, K=4, V=4, dtype=torch.float32, with_state=False)
+    o = step(empty, pool, torch.zeros(0, dtype=torch.long), torch.zeros(0, 2, 1, 4, 4))
+    assert o.shape == (0, 2, 1, 4)
