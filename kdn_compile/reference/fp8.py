@@ -81,7 +81,7 @@ def quantize_state_fp8(
         tiles = -(-value_dim // width)
         columns = torch.nn.functional.pad(x.abs().amax(dim=-2), (0, tiles * width - value_dim))
         scales = e4m3_scale(columns.unflatten(-1, (tiles, width)).amax(dim=-1))
-        values = (x / _per_column(scales, value_dim, width)[..., None, :])
+        values = x / _per_column(scales, value_dim, width)[..., None, :]
         return values.to(torch.float8_e4m3fn).contiguous(), scales
 
 
