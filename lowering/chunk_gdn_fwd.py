@@ -135,11 +135,12 @@ def gdn_layout(q, v, cu_seqlens):
 
 # (BV, num_stages, num_warps) of the plain GDN sequential passes at K = V = 128 in half
 # precision, measured on an H100 (bf16, ms): with many programs (8x4096x16) the forward
-# (32, 2, 4) 0.425 (64, 2, 4: 0.474), the recomputation (64, 2, 4) 0.312 (32, 2, 4: 0.398),
-# the state-gradient pass (64, 3, 8) 0.512 (32, 2, 4: 0.762); with few (1x32768x16) all three
-# (32, 3, 4): 1.019 / 0.931 / 1.132 against 1.231 / 1.021 / 1.198 at (16, 2, 4).
-_WIDE = {"forward": (32, 2, 4), "recompute": (64, 2, 4), "state": (64, 3, 8)}
-_NARROW = (32, 3, 4)
+# (64, 3, 4) 0.356 (32, 2, 4: 0.428; 64, 2, 4: 0.481), the recomputation (64, 2, 4) 0.311
+# (64, 3, 4: 0.408), the state-gradient pass (64, 3, 8) 0.514 (64, 2, 4: 0.714); with few
+# (1x32768x16) all three (16, 3, 4): 0.918 / 0.786 / 1.016 against 1.020 / 0.930 / 1.132 at
+# (32, 3, 4).
+_WIDE = {"forward": (64, 3, 4), "recompute": (64, 2, 4), "state": (64, 3, 8)}
+_NARROW = (16, 3, 4)
 
 
 def recurrence_config(k_dim: int, v_dim: int, dtype: torch.dtype, seq_heads, device,
@@ -152,7 +153,7 @@ def recurrence_config(k_dim: int, v_dim: int, dtype: torch.dtype, seq_heads, dev
     these take the configurations measured for them (``_WIDE``) where 64-wide value
     tiles give at least one program per multiprocessor (``seq_heads``: sequences x value
     heads; a symbolic count, as under ``torch.export``, counts as many), else
-    ``_NARROW``: 32-wide tiles, three stages, four warps.
+    ``_NARROW``: 16-wide tiles, three stages, four warps.
 
     Else (other sizes, float32, and the FP8-QDQ and ``w_quantizer`` variants, ``kernel``
     None) narrow tiles buy parallelism when there are few sequences: the largest tile
