@@ -136,10 +136,12 @@ def gdn_layout(q, v, cu_seqlens):
 # (BV, num_stages, num_warps) of the plain GDN sequential passes at K = V = 128 in half
 # precision, measured on an H100 (bf16, ms): with many programs (8x4096x16) the forward
 # (64, 3, 4) 0.356 (32, 2, 4: 0.428; 64, 2, 4: 0.481), the recomputation (64, 2, 4) 0.311
-# (64, 3, 4: 0.408), the state-gradient pass (64, 3, 8) 0.514 (64, 2, 4: 0.714); with few
-# (1x32768x16) all three (16, 3, 4): 0.918 / 0.786 / 1.016 against 1.020 / 0.930 / 1.132 at
-# (32, 3, 4).
+# (64, 3, 4: 0.408), the state-gradient pass (64, 3, 8) 0.514 (64, 2, 4: 0.714); with fewer
+# (4x4096x16) all three (32, 3, 4): forward 0.435, forward+backward 1.600 against 0.645 and
+# 2.058 at (16, 3, 4); with few (1x32768x16) all three (16, 3, 4): 0.918 / 0.786 / 1.016
+# against 1.020 / 0.930 / 1.132 at (32, 3, 4).
 _WIDE = {"forward": (64, 3, 4), "recompute": (64, 2, 4), "state": (64, 3, 8)}
+_MIDDLE = (32, 3, 4)
 _NARROW = (16, 3, 4)
 
 
@@ -150,10 +152,11 @@ def recurrence_config(k_dim: int, v_dim: int, dtype: torch.dtype, seq_heads, dev
 
     ``kernel``: ``"forward"``, ``"recompute"`` (the backward's recurrence) or ``"state"``
     (the state-gradient pass) of the plain kernels; at ``K = V = 128`` in half precision
-    these take the configurations measured for them (``_WIDE``) where 64-wide value
+    these take the configurations measured for them: ``_WIDE`` where 64-wide value
     tiles give at least one program per multiprocessor (``seq_heads``: sequences x value
-    heads; a symbolic count, as under ``torch.export``, counts as many), else
-    ``_NARROW``: 16-wide tiles, three stages, four warps.
+    heads; a symbolic count, as under ``torch.export``, counts as many), else ``_MIDDLE``
+    (32-wide tiles, three stages, four warps) where 32-wide ones do, else ``_NARROW``
+    (16-wide tiles, three stages, four warps).
 
     Else (other sizes, float32, and the FP8-QDQ and ``w_quantizer`` variants, ``kernel``
     None) narrow tiles buy parallelism when there are few sequences: the largest tile
@@ -167,9 +170,12 @@ def recurrence_config(k_dim: int, v_dim: int, dtype: torch.dtype, seq_heads, dev
     at BV 32); two stages are right at every head size, and three at K = V = 128.
     """
     if kernel is not None and dtype != torch.float32 and k_dim == v_dim == 128:
-        wide = (not is_concrete_int(seq_heads)
-                or int(seq_heads) * (v_dim // 64) >= sm_count(device))
-        return _WIDE[kernel] if wide else _NARROW
+        if not is_concrete_int(seq_heads):
+            return _WIDE[kernel]
+        sms = sm_count(device)
+        if int(seq_heads) * (v_dim // 64) >= sms:
+            return _WIDE[kernel]
+        return _MIDDLE if int(seq_heads) * (v_dim // 32) >= sms else _NARROW
     row_bytes = k_dim * dtype.itemsize
     tile = min(v_dim, 64 if k_dim <= 128 else 32, 16 if row_bytes >= 512 else 64)
     while tile > 16 and seq_heads * (v_dim // tile) < 2 * sm_count(device):

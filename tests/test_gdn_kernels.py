@@ -260,18 +260,41 @@ def test_kernels_gpu(dtype, tol, B, T, Hk, Hv, K, V, cu, gate_scale, seed):
     _check(x, cu_seqlens, state_v_first=K == 64, tol=tol, seed=seed + 1)
 
 
+def test_recurrence_config_tiers(monkeypatch):
+    """At K = V = 128 in half precision the sequential passes take 64-wide tiles while those
+    fill the GPU's multiprocessors, then 32-wide, then 16-wide; a symbolic count of
+    sequences x heads takes the wide ones."""
+    from kdn_compile.lowering import chunk_gdn_fwd as fwd_module
+
+    monkeypatch.setattr(fwd_module, "sm_count", lambda device: 132)
+    config = lambda seq_heads: fwd_module.recurrence_config(  # noqa: E731
+        128, 128, torch.bfloat16, seq_heads, "cuda", "forward")
+    assert config(128) == config(66) == fwd_module._WIDE["forward"]
+    assert config(65) == config(33) == fwd_module._MIDDLE
+    assert config(32) == config(1) == fwd_module._NARROW
+    assert fwd_module.recurrence_config(128, 128, torch.bfloat16, 64, "cuda", "state") \
+        == fwd_module._MIDDLE
+    assert [c[0] for c in (fwd_module._WIDE["forward"], fwd_module._MIDDLE,
+                           fwd_module._NARROW)] == [64, 32, 16]
+
+
 @gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("cu", [None, [0, 5, 700, 701, 1400]], ids=["fixed", "packed"])
-@pytest.mark.parametrize("sms", [1, 10**6], ids=["wide", "narrow"])
-def test_kernels_gpu_measured_configs(monkeypatch, dtype, cu, sms, seed):
-    """K = V = 128 in half precision under both of ``recurrence_config``'s measured choices,
+@pytest.mark.parametrize("tier", ["wide", "middle", "narrow"])
+def test_kernels_gpu_measured_configs(monkeypatch, dtype, cu, tier, seed):
+    """K = V = 128 in half precision under each of ``recurrence_config``'s measured choices,
     whatever this GPU's size: the wide per-pass tiles (``sm_count`` 1, so every grid counts
-    as many programs) and the narrow ones (a huge ``sm_count``); with the whole-key tiles
-    of ``grad_config``."""
+    as many programs), the middle ones (``sm_count`` three programs per sequence and head)
+    and the narrow ones (a huge ``sm_count``); with the whole-key tiles of ``grad_config``."""
     from kdn_compile.lowering import chunk_gdn_fwd as fwd_module
 
+    seq_heads = 4 * (2 if cu is None else len(cu) - 1)
+    sms = {"wide": 1, "middle": 3 * seq_heads, "narrow": 10**6}[tier]
     monkeypatch.setattr(fwd_module, "sm_count", lambda device: sms)
+    expected = {"wide": fwd_module._WIDE["forward"], "middle": fwd_module._MIDDLE,
+                "narrow": fwd_module._NARROW}[tier]
+    assert fwd_module.recurrence_config(128, 128, dtype, seq_heads, "cuda", "forward") == expected
     cu_seqlens = None if cu is None else torch.tensor(cu, dtype=torch.int32, device="cuda")
     B, T, N = (2, 700, 2) if cu is None else (1, cu[-1], len(cu) - 1)
     x = delta_inputs(B, T, 2, 4, 128, 128, N=N, dtype=dtype, device="cuda", seed=seed)
