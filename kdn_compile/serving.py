@@ -23,15 +23,17 @@ import kdn_compile.ops  # noqa: F401  (registers torch.ops.kdn)
 from kdn_compile._backend import prefer_kernels
 from kdn_compile._checks import check_delta_inputs, check_float, check_flag, check_kdn_inputs
 from kdn_compile._checks import (
-    check_no_tangents, check_pool, check_slot_indices, dims, fail, shown,
+    check_no_tangents, check_pool, check_slot_indices, check_slot_values, check_tensor, dims,
+    fail, shown,
 )
 from kdn_compile.debug import check_values
 from kdn_compile.ops._dispatch import eager_cuda
 from kdn_compile.ops.decode import delta_rule_decode_body, diag_kdn_decode_body
 from kdn_compile.reference._common import work_dtype
+from kdn_compile.reference.fp8 import quantize_state_fp8
 from kdn_compile.reference.pools import POOL_BLOCK_V
 
-__all__ = ["MAX_DECODE_TOKENS", "delta_rule_decode", "diag_kdn_decode"]
+__all__ = ["MAX_DECODE_TOKENS", "commit_states", "delta_rule_decode", "diag_kdn_decode"]
 
 _ops = torch.ops.kdn
 
@@ -42,6 +44,13 @@ _POOL_DTYPES = (torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.float6
 _INTERMEDIATE_DTYPES = (torch.float32, torch.bfloat16, torch.float64)
 # Diag-KDN's memory pools (its precision pools: the working dtype of the memory's)
 KDN_MEMORY_DTYPES = (torch.float32, torch.bfloat16, torch.float64)
+
+
+def write_slots(pool: torch.Tensor, indices: torch.Tensor, rows: torch.Tensor) -> None:
+    """``pool[indices[b]] = rows[b]`` (cast to the pool's dtype) where ``indices[b] >= 0``."""
+    op = torch.ops.kdn.scatter_slots if prefer_kernels(pool.device.type) else (
+        torch.ops.kdn.scatter_slots_reference)
+    op(pool, indices.contiguous(), rows.to(pool.dtype).contiguous())
 
 
 def _check_inference(**tensors) -> None:
@@ -77,6 +86,7 @@ def delta_rule_decode(
     state_v_first: bool = False,
     pool_scales: torch.Tensor | None = None,
     intermediate_states: torch.Tensor | None = None,
+    update_state: bool = True,
 ) -> torch.Tensor:
     """One decode step of Gated DeltaNet (``g [B, T, Hv]``) or KDA (``g [B, T, Hv, K]``)
     over a state pool, updated in place.
@@ -114,6 +124,10 @@ def delta_rule_decode(
             float64 only; float64 runs the exact reference), contiguous: receives the
             state after every token, so a verifier can roll back to the last accepted
             token. Padding rows leave theirs untouched.
+        update_state: False leaves ``state_pool`` and ``pool_scales`` as they are (a
+            speculative-decoding verification: the states go to
+            ``intermediate_states``, and :func:`commit_states` then writes each row's
+            state after its accepted tokens, or none).
 
     Returns:
         ``o [B, T, Hv, V]`` in ``v``'s dtype, zeros on padding rows.
@@ -135,6 +149,7 @@ def delta_rule_decode(
     _check_inference(q=q, k=k, v=v, g=g, beta=beta, state_pool=state_pool,
                      pool_scales=pool_scales, intermediate_states=intermediate_states)
     check_flag("state_v_first", state_v_first)
+    check_flag("update_state", update_state)
     b, t, _, dk = q.shape
     hv, dv = v.shape[2], v.shape[3]
     layout = "[S, Hv, V, K]" if state_v_first else "[S, Hv, K, V]"
@@ -164,7 +179,94 @@ def delta_rule_decode(
         op = delta_rule_decode_body  # the op's own body, without the dispatcher
     scale = dk**-0.5 if scale is None else check_float("scale", scale)
     return op(q, k, v, g, beta, state_pool, state_indices, scale, state_v_first, pool_scales,
-              intermediate_states)
+              intermediate_states, update_state)
+
+
+def commit_states(
+    state_pool: torch.Tensor,
+    state_indices: torch.Tensor,
+    intermediate_states: torch.Tensor,
+    accepted: torch.Tensor,
+    *,
+    pool_scales: torch.Tensor | None = None,
+    state_v_first: bool = False,
+) -> None:
+    """Commit a speculative-decoding verification: each row's state after its accepted
+    tokens goes into its slot, in place.
+
+    After ``delta_rule_decode(..., intermediate_states=states, update_state=False)`` over
+    ``T`` draft tokens per row, row ``b`` with ``accepted[b] = a``: for ``a >= 1`` slot
+    ``state_indices[b]`` gets ``states[b, a - 1]`` (the state after its first ``a``
+    tokens), rounded to the pool's dtype (float8: quantized with one scale per ``[K, 64]``
+    tile, as :func:`kdn_compile.reference.fp8.quantize_state_fp8`, into ``pool_scales``);
+    for ``a = 0`` the slot keeps the state from before the verification. Padding rows
+    (negative indices) write nothing. With a float32 pool and float32 intermediate
+    states, verifying ``T`` tokens and committing ``a`` leaves the slot bit for bit where
+    ``a`` one-token steps would have left it. Nothing synchronizes with the host: a commit
+    replays in a CUDA graph.
+
+    Args:
+        state_pool: ``[S, Hv, K, V]`` (``[S, Hv, V, K]`` with ``state_v_first``),
+            float32, bfloat16, float8_e4m3fn or float64, contiguous.
+        state_indices: ``[B]`` int32/int64 slots on the pool's device, as
+            :func:`delta_rule_decode` (non-negative ones distinct and ``< S``: checked
+            on the device).
+        intermediate_states: ``[B, T, Hv, K, V]`` (value-major with ``state_v_first``),
+            float32, bfloat16 or float64, as :func:`delta_rule_decode` filled it.
+        accepted: ``[B]`` int32/int64 on the pool's device, each in ``0..T``: checked
+            on the device (a device-side assert on CUDA, a RuntimeError on the CPU).
+        pool_scales: ``[S, Hv, ceil(V / 64)]`` float32 with a float8 pool, else None.
+        state_v_first: the layout of the pool and the intermediate states.
+
+    Raises:
+        ValueError, TypeError: naming the argument: a pool, intermediate states, indices
+            or ``accepted`` of another shape, dtype or device; a float8 pool without
+            ``pool_scales`` (or scales with another pool).
+        RuntimeError: on the CPU, ``accepted`` outside ``0..T`` or bad indices.
+
+    Source: the token recurrence's states (:func:`delta_rule_decode`); the commit is a copy.
+    """
+    check_flag("state_v_first", state_v_first)
+    check_tensor("intermediate_states", intermediate_states, floating=False)
+    if intermediate_states.dim() != 5:
+        fail(ValueError, "intermediate_states must be [B, T, Hv, K, V] (5 dims), got shape "
+                         f"{dims(intermediate_states.shape)}")
+    b, t = intermediate_states.shape[:2]
+    device = intermediate_states.device
+    layout = "[S, Hv, V, K]" if state_v_first else "[S, Hv, K, V]"
+    slots = check_pool("state_pool", state_pool, layout, tuple(intermediate_states.shape[2:]),
+                       _POOL_DTYPES, device)
+    allowed = (torch.float64,) if state_pool.dtype == torch.float64 else _INTERMEDIATE_DTYPES
+    check_pool("intermediate_states", intermediate_states,
+               "[B, T, Hv, V, K]" if state_v_first else "[B, T, Hv, K, V]",
+               (t,) + tuple(state_pool.shape[1:]), allowed, device, slots=b)
+    float8 = state_pool.dtype == torch.float8_e4m3fn
+    if float8 != (pool_scales is not None):
+        fail(ValueError, "pool_scales go with a float8_e4m3fn state_pool (and it needs them), "
+                         f"got a {state_pool.dtype} pool and pool_scales "
+                         f"{'given' if pool_scales is not None else 'None'}")
+    if float8:
+        hv, dv = state_pool.shape[1], state_pool.shape[2 if state_v_first else 3]
+        check_pool("pool_scales", pool_scales, "[S, Hv, ceil(V / 64)]",
+                   (hv, -(-dv // POOL_BLOCK_V)), (torch.float32,), device, slots=slots)
+    check_slot_indices(state_indices, b, slots, device, beside="intermediate_states")
+    check_slot_indices(accepted, b, slots, device, name="accepted",
+                       beside="intermediate_states")
+    _check_inference(state_pool=state_pool, intermediate_states=intermediate_states,
+                     pool_scales=pool_scales)
+    check_slot_values(state_indices, slots)
+    if device.type != "meta":
+        torch._assert_async(((accepted >= 0) & (accepted <= t)).all(),
+                            f"accepted must be in 0..T = 0..{t}")
+    rows = intermediate_states[torch.arange(b, device=device), (accepted - 1).clamp_min(0)]
+    chosen = torch.where(accepted > 0, state_indices, -1)
+    with torch.no_grad():
+        if float8:
+            key_first = rows.transpose(-1, -2) if state_v_first else rows
+            values, scales = quantize_state_fp8(key_first.float(), POOL_BLOCK_V)
+            write_slots(pool_scales, chosen, scales)
+            rows = values.transpose(-1, -2) if state_v_first else values
+        write_slots(state_pool, chosen, rows)
 
 
 def diag_kdn_decode(

@@ -216,7 +216,8 @@ def recurrent_delta_fwd(
             indexed by ``indices``; None for zeros.
         state_out: where the final state goes (float32/bfloat16/float8, same layout and
             row indexing as ``state_in``; it may be ``state_in`` itself: a pool updated in
-            place). Required.
+            place), or None (with ``state_in``: the final state is not kept, as in a
+            speculative-decoding verification whose states go to ``intermediate``).
         scales: ``[S, Hv, ceil(V / 64)]`` float32 scales of a float8 pool (read and
             written in place).
         indices: ``[N]`` int32/int64 slots of a pool (negative: padding row).
@@ -231,11 +232,12 @@ def recurrent_delta_fwd(
     b, length, hk, dk = q.shape
     hv, dv = v.shape[2], v.shape[3]
     n = num_sequences(b, cu_seqlens)
-    dtype = state_out.dtype if _state_kind(state_in) != _FP8 else state_in.dtype
+    kept = state_in if state_out is None else state_out
+    dtype = kept.dtype if _state_kind(state_in) != _FP8 else state_in.dtype
     tile, warps = decode_config(n, hv, dv, dtype)
     tile, warps = block_v or tile, num_warps or warps
     o = torch.empty_like(v)
-    slots = state_out.shape[0] if indices is not None else n
+    slots = kept.shape[0] if indices is not None else n
     ok = None
     if indices is not None:  # written by the first program; an empty batch launches none
         ok = (torch.empty if n > 0 else torch.ones)((), dtype=torch.bool, device=q.device)

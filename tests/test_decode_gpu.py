@@ -150,3 +150,16 @@ def test_decode_replays_in_a_cuda_graph():
         o_c = compiled(*y.values(), pool_c, idx).clone()
         assert_close(o_c, o_e, 1e-6, f"step {i}")
     assert_close(pool_c, pool_e, 1e-6, "pool")
+
+
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16, FP8],
+                         ids=["f32", "bf16", "fp8"])
+@pytest.mark.parametrize("per_key", [False, True], ids=["gdn", "kda"])
+def test_verify_then_commit_equals_decoding_the_accepted_tokens(pool_dtype, per_key):
+    """On the kernels at K = V = 128: a verification leaves the pool as it is, and the
+    commit writes bit for bit what decoding the accepted tokens writes
+    (tests/test_spec_decode.py)."""
+    from test_spec_decode import check_commit
+
+    check_commit("auto", per_key, pool_dtype, False, device="cuda", K=128, V=128)
+

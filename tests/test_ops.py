@@ -99,6 +99,8 @@ def _decode_cases():
         args = (x["q"], x["k"], x["v"], x["g"], x["beta"], pool, idx, 0.35, False, scales, inter)
         for op in (ops.delta_rule_decode.default, ops.delta_rule_decode_reference.default):
             cases.append((f"{op._schema.name}-{pool_dtype}", op, args))
+            # a verification: the pool is read, not written
+            cases.append((f"{op._schema.name}-{pool_dtype}-verify", op, args + (False,)))
     kd = kdn_inputs(B=3, T=2, H=2, K=4, V=3, dtype=torch.float32)
     args = (kd["q"], kd["k"], kd["v"], kd["log_alpha"], kd["omega"], kd["r"],
             torch.randn(4, 2, 4, 3), torch.rand(4, 2, 4) + 0.5, idx, 0.5, 0.8)

@@ -24,16 +24,9 @@ from kdn_compile._checks import type_name
 from kdn_compile.layers._state import LayerCache
 from kdn_compile.reference.fp8 import dequantize_state_fp8, quantize_state_fp8
 from kdn_compile.reference.pools import POOL_BLOCK_V, gather_slots
-from kdn_compile.serving import MAX_DECODE_TOKENS
+from kdn_compile.serving import MAX_DECODE_TOKENS, write_slots
 
 FLOAT8 = torch.float8_e4m3fn
-
-
-def write_slots(pool: torch.Tensor, indices: torch.Tensor, rows: torch.Tensor) -> None:
-    """``pool[indices[b]] = rows[b]`` (cast to the pool's dtype) where ``indices[b] >= 0``."""
-    op = torch.ops.kdn.scatter_slots if prefer_kernels(pool.device.type) else (
-        torch.ops.kdn.scatter_slots_reference)
-    op(pool, indices.contiguous(), rows.to(pool.dtype).contiguous())
 
 
 def load_state(cache: dict, key: str, indices: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -40,17 +40,19 @@ def delta_rule_decode_reference_op(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state_pool: Tensor,
     state_indices: Tensor, scale: float, state_v_first: bool,
     pool_scales: Optional[Tensor], intermediate_states: Optional[Tensor],
+    update_state: bool = True,
 ) -> Tensor:
     """The exact reference (:func:`kdn_compile.reference.pools.delta_rule_decode_reference`)."""
     return delta_rule_decode_reference(
         q, k, v, g, beta, state_pool, state_indices, scale=scale, state_v_first=state_v_first,
         pool_scales=pool_scales, intermediate_states=intermediate_states,
+        update_state=update_state,
     ).clone(memory_format=torch.contiguous_format)  # the fake's layout
 
 
 @delta_rule_decode_reference_op.register_fake
 def _delta_fake(q, k, v, g, beta, state_pool, state_indices, scale, state_v_first,
-                pool_scales, intermediate_states):
+                pool_scales, intermediate_states, update_state=True):
     return v.new_empty(v.shape)
 
 
@@ -66,16 +68,19 @@ def delta_rule_decode_body(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state_pool: Tensor,
     state_indices: Tensor, scale: float, state_v_first: bool,
     pool_scales: Optional[Tensor], intermediate_states: Optional[Tensor],
+    update_state: bool = True,
 ) -> Tensor:
-    """GDN / KDA decode step over a pool; Triton where it can, else the reference op."""
+    """GDN / KDA decode step over a pool; Triton where it can, else the reference op.
+    Without ``update_state`` the pool (and its scales) is read, not written."""
     if not _delta_kernels(q, v, state_pool, intermediate_states):
         return torch.ops.kdn.delta_rule_decode_reference(
             q, k, v, g, beta, state_pool, state_indices, scale, state_v_first, pool_scales,
-            intermediate_states,
+            intermediate_states, update_state,
         )
     o, slots_ok = recurrent_delta_fwd(
         q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(),
-        scale=scale, state_in=state_pool, state_out=state_pool, scales=pool_scales,
+        scale=scale, state_in=state_pool, state_out=state_pool if update_state else None,
+        scales=pool_scales,
         indices=state_indices.contiguous(), intermediate=intermediate_states,
         state_v_first=state_v_first,
     )

@@ -63,8 +63,10 @@ class _Meta:
 
 
 def _bind(op, args, kwargs) -> dict:
+    """The op's arguments by name, defaults included."""
+    defaults = {a.name: a.default_value for a in op._schema.arguments if a.has_default_value()}
     names = [a.name for a in op._schema.arguments]
-    return {**dict(zip(names, args)), **kwargs}
+    return {**defaults, **dict(zip(names, args)), **kwargs}
 
 
 def _meta(bound: dict, *names):

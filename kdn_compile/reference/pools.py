@@ -72,13 +72,13 @@ def _state_to_pool(state, pool, scales, indices, state_v_first):
 
 def delta_rule_decode_reference(
     q, k, v, g, beta, state_pool, state_indices, *, scale: float, state_v_first: bool = False,
-    pool_scales=None, intermediate_states=None,
+    pool_scales=None, intermediate_states=None, update_state: bool = True,
 ) -> torch.Tensor:
     """One decode step of GDN (``g [B, T, Hv]``) or KDA (``g [B, T, Hv, K]``) over a pool.
 
     The arguments are those of :func:`kdn_compile.delta_rule_decode`. Mutates
-    ``state_pool`` (and ``pool_scales`` for a float8 pool) at the named slots and
-    fills ``intermediate_states [B, T, Hv, K, V]`` (key-first, or value-major with
+    ``state_pool`` (and ``pool_scales`` for a float8 pool) at the named slots (unless
+    ``update_state`` is False) and fills ``intermediate_states [B, T, Hv, K, V]`` (key-first, or value-major with
     ``state_v_first``) with the state after every token when given. The recurrence
     runs in ``promote_types(q.dtype, float32)`` from the dequantized slot; the new
     state is rounded to the pool's dtype once, after the ``T`` tokens (float8: one
@@ -102,7 +102,8 @@ def delta_rule_decode_reference(
         intermediate_states.copy_(
             torch.where(valid[:, None, None, None, None], every, intermediate_states)
         )
-    _state_to_pool(state, state_pool, pool_scales, state_indices, state_v_first)
+    if update_state:
+        _state_to_pool(state, state_pool, pool_scales, state_indices, state_v_first)
     return o.to(v.dtype).contiguous()
 
 

@@ -1,0 +1,148 @@
+"""Speculative decoding over state pools: a verification that leaves the pool as it is
+(``delta_rule_decode(..., update_state=False)``) and :func:`kdn_compile.commit_states`,
+which writes each row's state after its accepted tokens. On the CPU: the kernels in
+Triton's interpreter and the references, eager and compiled; argument errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kdn_compile
+from _inputs import delta_inputs
+from kdn_compile.reference.fp8 import quantize_state_fp8
+
+FP8 = torch.float8_e4m3fn
+B, T, HK, HV, K, V, S = 4, 3, 1, 2, 8, 80, 6
+
+
+def _pool(dtype, state_v_first, seed, K=K, V=V):
+    gen = torch.Generator().manual_seed(seed)
+    state = torch.randn(S, HV, K, V, generator=gen, dtype=torch.float64)
+    scales = None
+    if dtype == FP8:
+        pool, scales = quantize_state_fp8(state.float())
+    else:
+        pool = state.to(dtype)
+    if state_v_first:
+        pool = pool.transpose(-1, -2).contiguous()
+    return pool, scales
+
+
+def _clone(t):
+    return None if t is None else t.clone()
+
+
+def _decode(x, pool, scales, idx, **kw):
+    return kdn_compile.delta_rule_decode(x["q"], x["k"], x["v"], x["g"], x["beta"], pool, idx,
+                                         pool_scales=scales, **kw)
+
+
+def check_commit(backend, per_key, pool_dtype, state_v_first, device="cpu", K=K, V=V):
+    """Verify T tokens without updating the pool, then commit: each slot holds, bit for bit,
+    what one decode step of the row's accepted tokens leaves (accepted 0: its state from
+    before); padding rows and slots not named stay as they were."""
+    seed = 11 + per_key + 2 * state_v_first
+    print(f"seed {seed}")
+    work = torch.float64 if pool_dtype == torch.float64 else torch.float32
+    x = delta_inputs(B=B, T=T, Hk=HK, Hv=HV, K=K, V=V, per_key=per_key, dtype=work,
+                     with_state=False, seed=seed, device=device)
+    pool, scales = _pool(pool_dtype, state_v_first, seed, K, V)
+    pool, scales = pool.to(device), None if scales is None else scales.to(device)
+    idx = torch.tensor([4, -1, 1, 2], device=device)
+    accepted = torch.tensor([2, 1, 0, 3], device=device)
+    inter = torch.zeros((B, T, HV) + tuple(pool.shape[2:]), dtype=work, device=device)
+    with kdn_compile.use_backend(backend), torch.no_grad():
+        p, s = pool.clone(), _clone(scales)
+        o = _decode(x, p, s, idx, state_v_first=state_v_first, intermediate_states=inter,
+                    update_state=False)
+        assert torch.equal(p.view(torch.uint8), pool.view(torch.uint8)), "verify wrote the pool"
+        if scales is not None:
+            assert torch.equal(s, scales), "verify wrote the pool's scales"
+        o_updating = _decode(x, pool.clone(), _clone(scales), idx, state_v_first=state_v_first)
+        assert torch.equal(o, o_updating), "update_state changes the outputs"
+        kdn_compile.commit_states(p, idx, inter, accepted, pool_scales=s,
+                                  state_v_first=state_v_first)
+        for row, slot in enumerate(idx.tolist()):
+            if slot < 0:
+                continue
+            a = int(accepted[row])
+            expected, expected_scales = pool.clone(), _clone(scales)
+            if a > 0:
+                head = {n: t[row:row + 1, :a] for n, t in x.items()}
+                _decode(head, expected, expected_scales, idx[row:row + 1],
+                        state_v_first=state_v_first)
+            assert torch.equal(p[slot].view(torch.uint8), expected[slot].view(torch.uint8)), (
+                f"slot {slot} after committing {a} of {T} tokens")
+            if scales is not None:
+                assert torch.equal(s[slot], expected_scales[slot]), f"slot {slot}'s scales"
+    for slot in (0, 3, 5):  # not named
+        assert torch.equal(p[slot].view(torch.uint8), pool[slot].view(torch.uint8)), slot
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+@pytest.mark.parametrize("per_key", [False, True], ids=["gdn", "kda"])
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16, FP8, torch.float64],
+                         ids=["f32", "bf16", "fp8", "f64"])
+@pytest.mark.parametrize("state_v_first", [False, True], ids=["kv", "vk"])
+def test_commit_equals_decoding_the_accepted_tokens(backend, per_key, pool_dtype, state_v_first):
+    if pool_dtype == torch.float64 and backend == "triton":
+        pytest.skip("float64 pools run the reference")
+    check_commit(backend, per_key, pool_dtype, state_v_first)
+
+
+def test_verify_and_commit_compile_fullgraph():
+    """A verification and its commit under torch.compile(fullgraph=True) write what they
+    write eagerly."""
+    x = delta_inputs(B=B, T=T, Hk=HK, Hv=HV, K=K, V=V, per_key=True, dtype=torch.float32,
+                     with_state=False, seed=5)
+    pool, _ = _pool(torch.float32, False, 5)
+    idx, accepted = torch.tensor([0, 3, -1, 5]), torch.tensor([3, 0, 2, 1])
+
+    def verify_commit(x, pool, idx, inter, accepted):
+        o = _decode(x, pool, None, idx, intermediate_states=inter, update_state=False)
+        kdn_compile.commit_states(pool, idx, inter, accepted)
+        return o
+
+    results = []
+    for fn in (verify_commit, torch.compile(verify_commit, fullgraph=True)):
+        p, inter = pool.clone(), torch.zeros(B, T, HV, K, V)
+        with torch.no_grad():
+            o = fn(x, p, idx, inter, accepted)
+        results.append((o, p, inter))
+    for eager, compiled in zip(*results):
+        torch.testing.assert_close(compiled, eager, rtol=1e-6, atol=1e-6)
+
+
+def _commit_args(**change):
+    args = dict(state_pool=torch.zeros(S, HV, K, V), state_indices=torch.tensor([0, 2, -1, 4]),
+                intermediate_states=torch.zeros(B, T, HV, K, V),
+                accepted=torch.tensor([0, 1, 2, 3]))
+    args.update(change)
+    return args
+
+
+@pytest.mark.parametrize("change,error,match", [
+    (dict(accepted=torch.tensor([0, 1, 2, 4])), RuntimeError, r"accepted must be in 0\.\.T = 0\.\.3"),
+    (dict(accepted=torch.tensor([0, 1, -1, 2])), RuntimeError, "accepted must be in"),
+    (dict(accepted=torch.tensor([0.0, 1, 2, 3])), TypeError, "accepted must be int32 or int64"),
+    (dict(accepted=torch.tensor([0, 1, 2])), ValueError, r"accepted must be \[B\]"),
+    (dict(state_indices=torch.tensor([0, 0, -1, 4])), RuntimeError, "must not repeat"),
+    (dict(state_indices=torch.tensor([0, 2, -1, 6])), RuntimeError, "state_indices must be < "),
+    (dict(intermediate_states=torch.zeros(B, T, HV, K)), ValueError, "intermediate_states must be"),
+    (dict(intermediate_states=torch.zeros(B, T, HV, K, V + 1)), ValueError, "state_pool"),
+    (dict(intermediate_states=torch.zeros(B, T, HV, K, V, dtype=torch.float16)), TypeError,
+     "intermediate_states"),
+    (dict(state_pool=torch.zeros(S, HV, K, V, dtype=FP8)), ValueError, "pool_scales"),
+    (dict(pool_scales=torch.ones(S, HV, 2)), ValueError, "pool_scales"),
+    (dict(state_pool=[0.0]), TypeError, "state_pool"),
+])
+def test_commit_errors_name_the_argument(change, error, match):
+    with pytest.raises(error, match=match):
+        kdn_compile.commit_states(**_commit_args(**change))
+
+
+def test_update_state_must_be_a_bool():
+    x = delta_inputs(B=1, T=1, Hk=1, Hv=1, K=4, V=4, dtype=torch.float32, with_state=False)
+    with pytest.raises(TypeError, match="update_state must be a bool"):
+        _decode(x, torch.zeros(2, 1, 4, 4), None, torch.tensor([0]), update_state=0)
