@@ -146,3 +146,100 @@ def test_update_state_must_be_a_bool():
     x = delta_inputs(B=1, T=1, Hk=1, Hv=1, K=4, V=4, dtype=torch.float32, with_state=False)
     with pytest.raises(TypeError, match="update_state must be a bool"):
         _decode(x, torch.zeros(2, 1, 4, 4), None, torch.tensor([0]), update_state=0)
+
+
+# -- the layers: verify, then commit ------------------------------------------------------
+
+def _layer(kind, dtype, seed):
+    from kdn_compile.layers import GatedDeltaNet, KimiDeltaAttention
+
+    torch.manual_seed(seed)
+    cls = {"gdn": GatedDeltaNet, "kda": KimiDeltaAttention}[kind]
+    return cls(32, num_heads=2, head_dim=8, conv_size=4).to(dtype).eval()
+
+
+@pytest.mark.parametrize("kind,dtype,steps,tol", [
+    ("kda", torch.float64, 1000, 1e-12), ("gdn", torch.float32, 200, 2e-5)])
+def test_layer_speculative_run_equals_plain_decoding(kind, dtype, steps, tol):
+    """``steps`` rounds of verify-then-commit with random drafts (1 to 4 tokens) and random
+    acceptance (0 to all), padding rows and slots recycled along the way, against plain
+    one-token ``step``s of the accepted tokens: the same outputs and, at the end, the same
+    pools (up to the projections' rounding over T rows at once)."""
+    seed = 1000 + steps
+    print(f"seed {seed}")
+    gen = torch.Generator().manual_seed(seed)
+    layer = _layer(kind, dtype, seed)
+    batch, slots = 3, 5
+    state_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    spec, plain = (layer.allocate_cache(slots, state_dtype=state_dtype) for _ in range(2))
+    drafts = {t: layer.allocate_drafts(batch, t, state_dtype=state_dtype) for t in range(1, 5)}
+    idx = torch.tensor([0, 3, 4])
+    worst = 0.0
+    with torch.no_grad():
+        prompt = torch.randn(batch, 7, 32, generator=gen, dtype=dtype)
+        for cache in (spec, plain):
+            layer.step(prompt, cache, idx)
+        for step in range(steps):
+            t = int(torch.randint(1, 5, (), generator=gen))
+            x = torch.randn(batch, t, 32, generator=gen, dtype=dtype)
+            rows = torch.where(torch.rand(batch, generator=gen) < 0.1, -1, idx)  # some padding
+            accepted = torch.randint(0, t + 1, (batch,), generator=gen)
+            y = layer.verify(x, spec, rows, drafts[t])
+            layer.commit(spec, rows, accepted, drafts[t])
+            for j in range(int(accepted.max())):
+                taking = torch.where(accepted > j, rows, -1)
+                y_plain = layer.step(x[:, j:j + 1], plain, taking)
+                kept = (taking >= 0)[:, None, None]
+                worst = max(worst, float((torch.where(kept, y[:, j:j + 1] - y_plain, 0)).abs().max()))
+            if step % 97 == 96:  # a sequence ends, its slot starts a new one
+                for cache in (spec, plain):
+                    layer.reset_cache(cache, [int(idx[1])])
+    assert worst <= tol, f"outputs differ by {worst:.2e}"
+    for name in spec:
+        diff = float((spec[name].double() - plain[name].double()).abs().max())
+        assert diff <= tol, f'cache["{name}"] differs by {diff:.2e}'
+
+
+def test_layer_verify_leaves_the_cache_and_errors_name_the_argument():
+    layer = _layer("gdn", torch.float32, 3)
+    cache = layer.allocate_cache(4)
+    drafts = layer.allocate_drafts(2, 3)
+    idx = torch.tensor([1, 2])
+    with torch.no_grad():
+        layer.step(torch.randn(2, 5, 32), cache, idx)
+        before = {n: t.clone() for n, t in cache.items()}
+        layer.verify(torch.randn(2, 3, 32), cache, idx, drafts)
+    for name in cache:
+        assert torch.equal(cache[name], before[name]), f"verify wrote cache[{name!r}]"
+    with pytest.raises(ValueError, match=r"T = 2 \(the tokens of x\)"):
+        layer.verify(torch.randn(2, 2, 32), cache, idx, drafts)
+    with pytest.raises(ValueError, match="drafts must be the dict of allocate_drafts"):
+        layer.verify(torch.randn(2, 3, 32), cache, idx, {"conv": drafts["conv"]})
+    with pytest.raises(ValueError, match=r"tokens must be an int in 1\.\.8"):
+        layer.allocate_drafts(2, 9)
+    with pytest.raises(TypeError, match="accepted must be int32 or int64"):
+        layer.commit(cache, idx, torch.tensor([0.5, 1.0]), drafts)
+    with pytest.raises(RuntimeError, match=r"accepted must be in 0\.\.T = 0\.\.3"):
+        layer.commit(cache, idx, torch.tensor([0, 4]), drafts)
+
+
+def test_layer_verify_and_commit_compile_fullgraph():
+    """verify and commit under torch.compile(fullgraph=True) give the eager outputs and pools."""
+    layer = _layer("kda", torch.float32, 4)
+    idx, accepted = torch.tensor([2, -1, 0]), torch.tensor([1, 2, 3])
+    x = torch.randn(3, 3, 32, generator=torch.Generator().manual_seed(4))
+    results = []
+    for verify, commit in ((layer.verify, layer.commit),
+                           (torch.compile(layer.verify, fullgraph=True),
+                            torch.compile(layer.commit, fullgraph=True))):
+        cache, drafts = layer.allocate_cache(3), layer.allocate_drafts(3, 3)
+        with torch.no_grad():
+            layer.step(torch.randn(3, 6, 32, generator=torch.Generator().manual_seed(5)), cache,
+                       idx)
+            y = verify(x, cache, idx, drafts)
+            commit(cache, idx, accepted, drafts)
+        results.append((y, dict(cache)))
+    (y1, c1), (y2, c2) = results
+    torch.testing.assert_close(y2, y1, rtol=1e-5, atol=1e-5)
+    for name in c1:
+        torch.testing.assert_close(c2[name], c1[name], rtol=1e-5, atol=1e-5)

@@ -214,12 +214,15 @@ def check_input_dtype(layer: nn.Module, x: torch.Tensor) -> None:
                         "under torch.autocast")
 
 
-def convolved_qkv(layer: nn.Module, x: torch.Tensor, conv_cache, cu_seqlens, value_heads: int):
+def convolved_qkv(layer: nn.Module, x: torch.Tensor, conv_cache, cu_seqlens, value_heads: int,
+                  *, with_inputs: bool = False):
     """The q/k/v projections of ``layer`` through its short convolution, split into heads.
 
     ``layer`` has ``q_proj``, ``k_proj``, ``v_proj``, ``conv``, ``num_heads``,
     ``head_dim`` and ``head_v_dim``. Returns ``(q [B, T, Hk, K], k [B, T, Hk, K],
-    v [B, T, value_heads, V], conv_cache)``; q and k are not normalized here.
+    v [B, T, value_heads, V], conv_cache)``; q and k are not normalized here. With
+    ``with_inputs`` also the convolution's input, the projections joined on their
+    channels ``[B, T, C]`` (what the convolution windows hold), last.
 
     Raises:
         ValueError: ``x`` is not ``[B, T, D]`` (an unbatched ``[T, D]``, say) with
@@ -241,6 +244,7 @@ def convolved_qkv(layer: nn.Module, x: torch.Tensor, conv_cache, cu_seqlens, val
     # projections (LoRA) and copied the weights on every call (a decode token). The
     # convolution takes them as blocks, never joined: each is head-sharded under
     # tensor parallelism.
-    (q, k, v), conv_cache = layer.conv((layer.q_proj(x), layer.k_proj(x), layer.v_proj(x)),
-                                       conv_cache, cu_seqlens)
-    return heads(q, layer.num_heads), heads(k, layer.num_heads), heads(v, value_heads), conv_cache
+    blocks = (layer.q_proj(x), layer.k_proj(x), layer.v_proj(x))
+    (q, k, v), conv_cache = layer.conv(blocks, conv_cache, cu_seqlens)
+    out = heads(q, layer.num_heads), heads(k, layer.num_heads), heads(v, value_heads), conv_cache
+    return out + (torch.cat(blocks, dim=-1),) if with_inputs else out
