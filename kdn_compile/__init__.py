@@ -10,14 +10,16 @@ from kdn_compile._backend import BACKENDS, get_backend, set_backend, use_backend
 from kdn_compile._checks import ArgumentRuntimeError, ArgumentTypeError, ArgumentValueError
 from kdn_compile.api import chunk_gdn, chunk_kda, diag_kdn, recurrent_delta_rule, state_fp8_qdq
 from kdn_compile.debug import get_debug, set_debug
-from kdn_compile.serving import commit_states, delta_rule_decode, diag_kdn_decode
+from kdn_compile.serving import (
+    commit_diag_kdn_states, commit_states, delta_rule_decode, diag_kdn_decode,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "BACKENDS", "get_backend", "set_backend", "use_backend", "get_debug", "set_debug",
     "chunk_gdn", "chunk_kda", "diag_kdn", "recurrent_delta_rule", "state_fp8_qdq",
-    "commit_states", "delta_rule_decode", "diag_kdn_decode",
+    "commit_diag_kdn_states", "commit_states", "delta_rule_decode", "diag_kdn_decode",
     "ArgumentValueError", "ArgumentTypeError", "ArgumentRuntimeError",
 ]
 

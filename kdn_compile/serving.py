@@ -33,7 +33,8 @@ from kdn_compile.reference._common import work_dtype
 from kdn_compile.reference.fp8 import quantize_state_fp8
 from kdn_compile.reference.pools import POOL_BLOCK_V
 
-__all__ = ["MAX_DECODE_TOKENS", "commit_states", "delta_rule_decode", "diag_kdn_decode"]
+__all__ = ["MAX_DECODE_TOKENS", "commit_diag_kdn_states", "commit_states", "delta_rule_decode",
+           "diag_kdn_decode"]
 
 _ops = torch.ops.kdn
 
@@ -227,19 +228,10 @@ def commit_states(
     Source: the token recurrence's states (:func:`delta_rule_decode`); the commit is a copy.
     """
     check_flag("state_v_first", state_v_first)
-    check_tensor("intermediate_states", intermediate_states, floating=False)
-    if intermediate_states.dim() != 5:
-        fail(ValueError, "intermediate_states must be [B, T, Hv, K, V] (5 dims), got shape "
-                         f"{dims(intermediate_states.shape)}")
-    b, t = intermediate_states.shape[:2]
+    b, t, slots = _check_intermediates(
+        "intermediate_states", intermediate_states, "state_pool", state_pool,
+        "[Hv, V, K]" if state_v_first else "[Hv, K, V]", _POOL_DTYPES)
     device = intermediate_states.device
-    layout = "[S, Hv, V, K]" if state_v_first else "[S, Hv, K, V]"
-    slots = check_pool("state_pool", state_pool, layout, tuple(intermediate_states.shape[2:]),
-                       _POOL_DTYPES, device)
-    allowed = (torch.float64,) if state_pool.dtype == torch.float64 else _INTERMEDIATE_DTYPES
-    check_pool("intermediate_states", intermediate_states,
-               "[B, T, Hv, V, K]" if state_v_first else "[B, T, Hv, K, V]",
-               (t,) + tuple(state_pool.shape[1:]), allowed, device, slots=b)
     float8 = state_pool.dtype == torch.float8_e4m3fn
     if float8 != (pool_scales is not None):
         fail(ValueError, "pool_scales go with a float8_e4m3fn state_pool (and it needs them), "
@@ -254,12 +246,7 @@ def commit_states(
                        beside="intermediate_states")
     _check_inference(state_pool=state_pool, intermediate_states=intermediate_states,
                      pool_scales=pool_scales)
-    check_slot_values(state_indices, slots)
-    if device.type != "meta":
-        torch._assert_async(((accepted >= 0) & (accepted <= t)).all(),
-                            f"accepted must be in 0..T = 0..{t}")
-    rows = intermediate_states[torch.arange(b, device=device), (accepted - 1).clamp_min(0)]
-    chosen = torch.where(accepted > 0, state_indices, -1)
+    rows, chosen = _accepted_rows(state_indices, slots, intermediate_states, accepted)
     with torch.no_grad():
         if float8:
             key_first = rows.transpose(-1, -2) if state_v_first else rows
@@ -267,6 +254,86 @@ def commit_states(
             write_slots(pool_scales, chosen, scales)
             rows = values.transpose(-1, -2) if state_v_first else values
         write_slots(state_pool, chosen, rows)
+
+
+def _check_intermediates(name: str, intermediate, pool_name: str, pool, state: str,
+                         pool_dtypes) -> tuple[int, int, int]:
+    """``intermediate [B, T, *state]`` and ``pool [S, *state]`` alike (a float64 pool takes
+    float64 intermediates only); returns ``(B, T, S)``."""
+    check_tensor(name, intermediate, floating=False)
+    if intermediate.dim() != 5:
+        fail(ValueError, f"{name} must be [B, T, {state[1:-1]}] (5 dims), got shape "
+                         f"{dims(intermediate.shape)}")
+    b, t = intermediate.shape[:2]
+    slots = check_pool(pool_name, pool, "[S, " + state[1:], tuple(intermediate.shape[2:]),
+                       pool_dtypes, intermediate.device)
+    allowed = (torch.float64,) if pool.dtype == torch.float64 else _INTERMEDIATE_DTYPES
+    check_pool(name, intermediate, "[B, T, " + state[1:], (t,) + tuple(pool.shape[1:]), allowed,
+               intermediate.device, slots=b)
+    return b, t, slots
+
+
+def _accepted_rows(state_indices, slots: int, intermediate: torch.Tensor, accepted):
+    """``(rows, chosen)``: each row's state after its accepted tokens, and its slot where
+    it accepted any (else -1); the indices and ``accepted`` checked on the device."""
+    b, t = intermediate.shape[:2]
+    check_slot_values(state_indices, slots)
+    if intermediate.device.type != "meta":
+        torch._assert_async(((accepted >= 0) & (accepted <= t)).all(),
+                            f"accepted must be in 0..T = 0..{t}")
+    rows = intermediate[torch.arange(b, device=intermediate.device), (accepted - 1).clamp_min(0)]
+    return rows, torch.where(accepted > 0, state_indices, -1)
+
+
+def commit_diag_kdn_states(
+    memory_pool: torch.Tensor,
+    precision_pool: torch.Tensor,
+    state_indices: torch.Tensor,
+    intermediate_memory: torch.Tensor,
+    intermediate_precision: torch.Tensor,
+    accepted: torch.Tensor,
+) -> None:
+    """Commit a Diag-KDN speculative-decoding verification, in place: as
+    :func:`commit_states`, for the memory and the precision.
+
+    After ``diag_kdn_decode(..., intermediate_memory=m, intermediate_precision=p,
+    update_state=False)`` over ``T`` tokens, row ``b`` with ``a = accepted[b] >= 1``
+    writes ``m[b, a - 1]`` (rounded to the memory pool's dtype) and ``p[b, a - 1]`` into
+    slot ``state_indices[b]``; ``a = 0`` and padding rows write nothing. With a float32
+    memory pool and float32 intermediates the slot is bit for bit what ``a`` one-token
+    steps leave.
+
+    Args:
+        memory_pool: ``[S, H, K, V]`` float32, bfloat16 or float64; precision_pool
+            ``[S, H, K]`` as :func:`diag_kdn_decode` takes them.
+        state_indices: ``[B]`` int32/int64 slots (negative: padding), checked on the device.
+        intermediate_memory: ``[B, T, H, K, V]``; intermediate_precision ``[B, T, H, K]``,
+            as :func:`diag_kdn_decode` filled them.
+        accepted: ``[B]`` int32/int64 in ``0..T``, checked on the device (a device-side
+            assert on CUDA, a RuntimeError on the CPU).
+
+    Raises:
+        ValueError, TypeError: naming the argument: pools, intermediates, indices or
+            ``accepted`` of another shape, dtype or device.
+    """
+    b, t, slots = _check_intermediates("intermediate_memory", intermediate_memory,
+                                       "memory_pool", memory_pool, "[H, K, V]", KDN_MEMORY_DTYPES)
+    device = intermediate_memory.device
+    precision_dtype = work_dtype(memory_pool.dtype)
+    check_pool("precision_pool", precision_pool, "[S, H, K]", tuple(memory_pool.shape[1:3]),
+               (precision_dtype,), device, slots=slots)
+    check_pool("intermediate_precision", intermediate_precision, "[B, T, H, K]",
+               (t,) + tuple(memory_pool.shape[1:3]), (precision_dtype,), device, slots=b)
+    check_slot_indices(state_indices, b, slots, device, beside="intermediate_memory")
+    check_slot_indices(accepted, b, slots, device, name="accepted", beside="intermediate_memory")
+    _check_inference(memory_pool=memory_pool, precision_pool=precision_pool,
+                     intermediate_memory=intermediate_memory,
+                     intermediate_precision=intermediate_precision)
+    memory, chosen = _accepted_rows(state_indices, slots, intermediate_memory, accepted)
+    precision = intermediate_precision[torch.arange(b, device=device), (accepted - 1).clamp_min(0)]
+    with torch.no_grad():
+        write_slots(memory_pool, chosen, memory)
+        write_slots(precision_pool, chosen, precision)
 
 
 def diag_kdn_decode(
@@ -282,6 +349,9 @@ def diag_kdn_decode(
     *,
     scale: float,
     info_scale: float,
+    intermediate_memory: torch.Tensor | None = None,
+    intermediate_precision: torch.Tensor | None = None,
+    update_state: bool = True,
 ) -> torch.Tensor:
     """One Diagonal Kalman Delta Network decode step over pools, updated in place.
 
@@ -306,14 +376,21 @@ def diag_kdn_decode(
         state_indices: ``[B]`` int32/int64 slots, as :func:`delta_rule_decode`.
         scale: output scale (the layer passes ``K ** -0.5``).
         info_scale: weight of the information update.
+        intermediate_memory: optional ``[B, T, H, K, V]`` float32, bfloat16 or float64
+            (float64 only with a float64 pool), contiguous: receives the memory after every
+            token (padding rows leave theirs untouched).
+        intermediate_precision: optional ``[B, T, H, K]`` in the precision pool's dtype,
+            contiguous: receives the precision after every token.
+        update_state: False leaves both pools as they are (a speculative-decoding
+            verification, committed by :func:`commit_diag_kdn_states`).
 
     Returns:
         ``o [B, T, H, V]`` in ``v``'s dtype, zeros on padding rows.
 
     Raises:
         ValueError, TypeError: naming the argument: inputs as :func:`kdn_compile.diag_kdn`;
-            ``T`` outside ``1..8``; pools of another shape, dtype or device, or not
-            contiguous; indices of the wrong dtype, shape or device.
+            ``T`` outside ``1..8``; pools or intermediate states of another shape, dtype or
+            device, or not contiguous; indices of the wrong dtype, shape or device.
 
     Source: the Diagonal KDN specification; :func:`kdn_compile.reference.pools.diag_kdn_decode_reference`
     is the exact oracle.
@@ -321,14 +398,24 @@ def diag_kdn_decode(
     check_kdn_inputs(q, k, v, log_alpha, omega, r, None, None, pools=True)
     _check_tokens(q)
     _check_inference(q=q, k=k, v=v, log_alpha=log_alpha, omega=omega, r=r,
-                     memory_pool=memory_pool, precision_pool=precision_pool)
-    b, _, h, dk = q.shape
+                     memory_pool=memory_pool, precision_pool=precision_pool,
+                     intermediate_memory=intermediate_memory,
+                     intermediate_precision=intermediate_precision)
+    check_flag("update_state", update_state)
+    b, t, h, dk = q.shape
     dv = v.shape[3]
     slots = check_pool("memory_pool", memory_pool, "[S, H, K, V]", (h, dk, dv), KDN_MEMORY_DTYPES,
                        q.device)
     precision_dtype = work_dtype(memory_pool.dtype)
     check_pool("precision_pool", precision_pool, "[S, H, K]", (h, dk), (precision_dtype,),
                q.device, slots=slots)
+    if intermediate_memory is not None:
+        allowed = (torch.float64,) if memory_pool.dtype == torch.float64 else _INTERMEDIATE_DTYPES
+        check_pool("intermediate_memory", intermediate_memory, "[B, T, H, K, V]",
+                   (t, h, dk, dv), allowed, q.device, slots=b)
+    if intermediate_precision is not None:
+        check_pool("intermediate_precision", intermediate_precision, "[B, T, H, K]",
+                   (t, h, dk), (precision_dtype,), q.device, slots=b)
     check_slot_indices(state_indices, b, slots, q.device)
     scale, info_scale = check_float("scale", scale), check_float("info_scale", info_scale)
     check_values("diag_kdn_decode", q=q, k=k, v=v, log_alpha=log_alpha, omega=omega, r=r)
@@ -337,4 +424,4 @@ def diag_kdn_decode(
     if op is _ops.diag_kdn_decode and eager_cuda(q):
         op = diag_kdn_decode_body  # the op's own body, without the dispatcher
     return op(q, k, v, log_alpha, omega, r, memory_pool, precision_pool, state_indices, scale,
-              info_scale)
+              info_scale, intermediate_memory, intermediate_precision, update_state)

@@ -258,12 +258,15 @@ def recurrent_delta_fwd(
 
 @triton.jit
 def _decode_gain_kernel(
-    k, log_alpha, omega, r, gain, precision, indices, T, num_slots, info_scale,
-    H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+    k, log_alpha, omega, r, gain, precision, inter, indices, T, num_slots, info_scale,
+    H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, INTER: tl.constexpr,
+    UPDATE: tl.constexpr,
 ):
     """Diag-KDN's Kalman gains of one decode step, one program per (row, head): ``gain
-    [B, T, H, K]`` and the precision written back to its slot (no other program reads it).
-    Slots past the pool are skipped; the update that follows checks the indices."""
+    [B, T, H, K]``, with ``INTER`` the precision after every token into ``inter [B, T, H,
+    K]``, and with ``UPDATE`` the last one written back to its slot (no other program
+    reads it). Slots past the pool are skipped; the update that follows checks the
+    indices."""
     info_scale = tl.cast(info_scale, tl.float32)  # fp64 from Inductor
     i_nh = tl.program_id(0)
     i_n, i_h = i_nh // H, i_nh % H
@@ -284,12 +287,16 @@ def _decode_gain_kernel(
             tl.store(gain + p_t, predicted * b_k / (b_r + tl.sum(predicted * k2, axis=0)),
                      mask=m_k)
             b_p = 1.0 / predicted + info_scale * k2 / b_r
-        tl.store(p_p, b_p, mask=m_k)
+            if INTER:
+                tl.store(inter + p_t, b_p, mask=m_k)
+        if UPDATE:
+            tl.store(p_p, b_p, mask=m_k)
 
 
 def recurrent_kdn_fwd(
     q, k, v, log_alpha, omega, r, memory, precision, indices, *, scale: float,
-    info_scale: float, log_alpha_floor: float, block_v: int | None = None,
+    info_scale: float, log_alpha_floor: float, intermediate_memory=None,
+    intermediate_precision=None, update_state: bool = True, block_v: int | None = None,
     num_warps: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the Diag-KDN decode step over pools; returns ``(o, slots_ok)`` as
@@ -297,18 +304,24 @@ def recurrent_kdn_fwd(
 
     ``q, k, log_alpha, omega [B, T, H, K]``, ``v [B, T, H, V]``, ``r [B, T, H]``;
     ``memory [S, H, K, V]`` (float32/bfloat16) and ``precision [S, H, K]`` (float32)
-    are updated in place at slots ``indices [B]``. Two launches: the Kalman gains and the
-    precision (one program per row and head, :func:`_decode_gain_kernel`), then the memory
-    through the delta-rule kernel with the gain as its write key and ``log alpha`` floored.
+    are updated in place at slots ``indices [B]`` (``update_state``; else only read).
+    ``intermediate_memory [B, T, H, K, V]`` and ``intermediate_precision [B, T, H, K]``
+    (float32), when given, receive the state after every token. Two launches: the Kalman
+    gains and the precision (one program per row and head, :func:`_decode_gain_kernel`),
+    then the memory through the delta-rule kernel with the gain as its write key and
+    ``log alpha`` floored.
     """
     b, length, h, dk = q.shape
     gain = torch.empty(k.shape, dtype=torch.float32, device=k.device)
     _launch(_decode_gain_kernel, (b * h,), q)(
-        k, log_alpha, omega, r, gain, precision, indices, length, memory.shape[0], info_scale,
-        H=h, K=dk, BK=triton.next_power_of_2(dk), num_warps=4,
+        k, log_alpha, omega, r, gain, precision, intermediate_precision, indices, length,
+        memory.shape[0], info_scale,
+        H=h, K=dk, BK=triton.next_power_of_2(dk), INTER=intermediate_precision is not None,
+        UPDATE=update_state, num_warps=4,
     )
     return recurrent_delta_fwd(
-        q, k, v, log_alpha, None, scale=scale, state_in=memory, state_out=memory,
-        indices=indices, write_key=gain, gate_floor=log_alpha_floor,
+        q, k, v, log_alpha, None, scale=scale, state_in=memory,
+        state_out=memory if update_state else None, indices=indices,
+        intermediate=intermediate_memory, write_key=gain, gate_floor=log_alpha_floor,
         block_v=block_v, num_warps=num_warps,
     )

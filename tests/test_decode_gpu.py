@@ -163,3 +163,11 @@ def test_verify_then_commit_equals_decoding_the_accepted_tokens(pool_dtype, per_
 
     check_commit("auto", per_key, pool_dtype, False, device="cuda", K=128, V=128)
 
+
+@pytest.mark.parametrize("memory_dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_diag_kdn_verify_then_commit_equals_decoding_the_accepted_tokens(memory_dtype):
+    """Diag-KDN on the kernels at K = V = 128 (tests/test_spec_decode.py)."""
+    from test_spec_decode import check_kdn_commit
+
+    check_kdn_commit("auto", memory_dtype, device="cuda", K=128, V=128)
+

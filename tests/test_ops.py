@@ -104,8 +104,10 @@ def _decode_cases():
     kd = kdn_inputs(B=3, T=2, H=2, K=4, V=3, dtype=torch.float32)
     args = (kd["q"], kd["k"], kd["v"], kd["log_alpha"], kd["omega"], kd["r"],
             torch.randn(4, 2, 4, 3), torch.rand(4, 2, 4) + 0.5, idx, 0.5, 0.8)
+    verify = args + (torch.zeros(3, 2, 2, 4, 3), torch.zeros(3, 2, 2, 4), False)
     for op in (ops.diag_kdn_decode.default, ops.diag_kdn_decode_reference.default):
         cases.append((op._schema.name, op, args))
+        cases.append((f"{op._schema.name}-verify", op, verify))
     for pool_dtype in (torch.float32, torch.float8_e4m3fn):  # rows into slots, padding skipped
         args = (torch.randn(4, 2, 3).to(pool_dtype), idx, torch.randn(3, 2, 3).to(pool_dtype))
         for op in (ops.scatter_slots.default, ops.scatter_slots_reference.default):

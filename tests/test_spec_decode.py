@@ -91,6 +91,58 @@ def test_commit_equals_decoding_the_accepted_tokens(backend, per_key, pool_dtype
     check_commit(backend, per_key, pool_dtype, state_v_first)
 
 
+def check_kdn_commit(backend, memory_dtype, device="cpu", K=K, V=V):
+    """Diag-KDN: verify T tokens without updating the pools, then commit: memory and
+    precision of each slot bit for bit what one decode step of its accepted tokens leaves."""
+    from _inputs import kdn_inputs
+
+    seed = 31
+    print(f"seed {seed}")
+    work = torch.float64 if memory_dtype == torch.float64 else torch.float32
+    x = kdn_inputs(B=B, T=T, H=HV, K=K, V=V, dtype=work, seed=seed, device=device)
+    x = {n: x[n] for n in ("q", "k", "v", "log_alpha", "omega", "r")}
+    gen = torch.Generator().manual_seed(seed)
+    memory = torch.randn(S, HV, K, V, generator=gen, dtype=torch.float64).to(memory_dtype)
+    precision = (torch.rand(S, HV, K, generator=gen, dtype=torch.float64) + 0.5).to(work)
+    memory, precision = memory.to(device), precision.to(device)
+    idx = torch.tensor([4, -1, 1, 2], device=device)
+    accepted = torch.tensor([2, 1, 0, 3], device=device)
+    inter_m = torch.zeros(B, T, HV, K, V, dtype=work, device=device)
+    inter_p = torch.zeros(B, T, HV, K, dtype=work, device=device)
+
+    def decode(x, m, p, idx, **kw):
+        return kdn_compile.diag_kdn_decode(*x.values(), m, p, idx, scale=K ** -0.5,
+                                           info_scale=0.7, **kw)
+
+    with kdn_compile.use_backend(backend), torch.no_grad():
+        m, p = memory.clone(), precision.clone()
+        o = decode(x, m, p, idx, intermediate_memory=inter_m, intermediate_precision=inter_p,
+                   update_state=False)
+        assert torch.equal(m, memory) and torch.equal(p, precision), "verify wrote a pool"
+        assert torch.equal(o, decode(x, memory.clone(), precision.clone(), idx))
+        kdn_compile.commit_diag_kdn_states(m, p, idx, inter_m, inter_p, accepted)
+        for row, slot in enumerate(idx.tolist()):
+            if slot < 0:
+                continue
+            a = int(accepted[row])
+            em, ep = memory.clone(), precision.clone()
+            if a > 0:
+                decode({n: t[row:row + 1, :a] for n, t in x.items()}, em, ep, idx[row:row + 1])
+            assert torch.equal(m[slot], em[slot]), f"memory slot {slot}, {a} of {T} accepted"
+            assert torch.equal(p[slot], ep[slot]), f"precision slot {slot}, {a} of {T} accepted"
+    for slot in (0, 3, 5):
+        assert torch.equal(m[slot], memory[slot]) and torch.equal(p[slot], precision[slot])
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+@pytest.mark.parametrize("memory_dtype", [torch.float32, torch.bfloat16, torch.float64],
+                         ids=["f32", "bf16", "f64"])
+def test_diag_kdn_commit_equals_decoding_the_accepted_tokens(backend, memory_dtype):
+    if memory_dtype == torch.float64 and backend == "triton":
+        pytest.skip("float64 pools run the reference")
+    check_kdn_commit(backend, memory_dtype)
+
+
 def test_verify_and_commit_compile_fullgraph():
     """A verification and its commit under torch.compile(fullgraph=True) write what they
     write eagerly."""

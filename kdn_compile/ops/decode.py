@@ -91,52 +91,63 @@ def delta_rule_decode_body(
 delta_rule_decode_op = torch.library.triton_op(
     "kdn::delta_rule_decode", delta_rule_decode_body, mutates_args=_DELTA_MUTATES)
 
-_KDN_MUTATES = ("memory_pool", "precision_pool")
+_KDN_MUTATES = ("memory_pool", "precision_pool", "intermediate_memory",
+                "intermediate_precision")
 
 
 @torch.library.custom_op("kdn::diag_kdn_decode_reference", mutates_args=_KDN_MUTATES)
 def diag_kdn_decode_reference_op(
     q: Tensor, k: Tensor, v: Tensor, log_alpha: Tensor, omega: Tensor, r: Tensor,
     memory_pool: Tensor, precision_pool: Tensor, state_indices: Tensor, scale: float,
-    info_scale: float,
+    info_scale: float, intermediate_memory: Optional[Tensor] = None,
+    intermediate_precision: Optional[Tensor] = None, update_state: bool = True,
 ) -> Tensor:
     """The exact reference (:func:`kdn_compile.reference.pools.diag_kdn_decode_reference`)."""
     return diag_kdn_decode_reference(
         q, k, v, log_alpha, omega, r, memory_pool, precision_pool, state_indices,
-        scale=scale, info_scale=info_scale,
+        scale=scale, info_scale=info_scale, intermediate_memory=intermediate_memory,
+        intermediate_precision=intermediate_precision, update_state=update_state,
     ).clone(memory_format=torch.contiguous_format)  # the fake's layout
 
 
 @diag_kdn_decode_reference_op.register_fake
 def _kdn_fake(q, k, v, log_alpha, omega, r, memory_pool, precision_pool, state_indices,
-              scale, info_scale):
+              scale, info_scale, intermediate_memory=None, intermediate_precision=None,
+              update_state=True):
     return v.new_empty(v.shape)
 
 
-def _kdn_kernels(q, v, memory_pool, precision_pool) -> bool:
+def _kdn_kernels(q, v, memory_pool, precision_pool, intermediate_memory,
+                 intermediate_precision) -> bool:
+    states = (memory_pool.dtype,) + (
+        () if intermediate_memory is None else (intermediate_memory.dtype,))
     return (
         can_launch(q) and precision_pool.dtype == torch.float32
         and memory_pool.dtype != torch.float8_e4m3fn
-        and recurrent_kernel_supports(q, v, (memory_pool.dtype,))
-        and interpreted_ok(q, (memory_pool.dtype,))
+        and (intermediate_precision is None or intermediate_precision.dtype == torch.float32)
+        and recurrent_kernel_supports(q, v, states) and interpreted_ok(q, states)
     )
 
 
 def diag_kdn_decode_body(
     q: Tensor, k: Tensor, v: Tensor, log_alpha: Tensor, omega: Tensor, r: Tensor,
     memory_pool: Tensor, precision_pool: Tensor, state_indices: Tensor, scale: float,
-    info_scale: float,
+    info_scale: float, intermediate_memory: Optional[Tensor] = None,
+    intermediate_precision: Optional[Tensor] = None, update_state: bool = True,
 ) -> Tensor:
-    """Diag-KDN decode step over pools; Triton where it can, else the reference op."""
-    if not _kdn_kernels(q, v, memory_pool, precision_pool):
+    """Diag-KDN decode step over pools; Triton where it can, else the reference op.
+    Without ``update_state`` the pools are read, not written."""
+    if not _kdn_kernels(q, v, memory_pool, precision_pool, intermediate_memory,
+                        intermediate_precision):
         return torch.ops.kdn.diag_kdn_decode_reference(
             q, k, v, log_alpha, omega, r, memory_pool, precision_pool, state_indices, scale,
-            info_scale,
+            info_scale, intermediate_memory, intermediate_precision, update_state,
         )
     o, slots_ok = recurrent_kdn_fwd(
         *(x.contiguous() for x in (q, k, v, log_alpha, omega, r)), memory_pool,
         precision_pool, state_indices.contiguous(), scale=scale, info_scale=info_scale,
-        log_alpha_floor=LOG_MEMORY_ALPHA_FLOOR,
+        log_alpha_floor=LOG_MEMORY_ALPHA_FLOOR, intermediate_memory=intermediate_memory,
+        intermediate_precision=intermediate_precision, update_state=update_state,
     )
     torch._assert_async(slots_ok, SLOT_ERROR)
     return o

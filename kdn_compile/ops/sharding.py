@@ -257,9 +257,11 @@ def _register_serving():
     for op in (_ops.delta_rule_decode, _ops.delta_rule_decode_reference):
         _rule(op.default, decode, [2], mutated=("state_pool", "pool_scales",
                                                 "intermediate_states"))
-    pools = {**DIAG_KDN, "memory_pool": 1, "precision_pool": 1}
+    pools = {**DIAG_KDN, "memory_pool": 1, "precision_pool": 1, "intermediate_memory": 2,
+             "intermediate_precision": 2}
     for op in (_ops.diag_kdn_decode, _ops.diag_kdn_decode_reference):
-        _rule(op.default, pools, [2], mutated=("memory_pool", "precision_pool"))
+        _rule(op.default, pools, [2], mutated=("memory_pool", "precision_pool",
+                                               "intermediate_memory", "intermediate_precision"))
     for op in (_ops.scatter_slots, _ops.scatter_slots_reference):
         register_sharding(op.default)(_scatter_rule(op.default))
     for op in (_ops.state_fp8_qdq, _ops.state_fp8_qdq_reference,

@@ -109,29 +109,40 @@ def delta_rule_decode_reference(
 
 def diag_kdn_decode_reference(
     q, k, v, log_alpha, omega, r, memory_pool, precision_pool, state_indices, *,
-    scale: float, info_scale: float,
+    scale: float, info_scale: float, intermediate_memory=None, intermediate_precision=None,
+    update_state: bool = True,
 ) -> torch.Tensor:
     """One Diag-KDN decode step over ``(memory_pool [S, H, K, V], precision_pool [S, H, K])``.
 
     The arguments are those of :func:`kdn_compile.diag_kdn_decode`; the token
     recurrence is :func:`kdn_compile.reference.diag_kdn_step` in
     ``promote_types(q.dtype, float32)``. Mutates both pools at the named slots (the
-    memory rounded to the pool's dtype once, after the ``T`` tokens) and returns
-    ``o [B, T, H, V]`` in ``v``'s dtype, zeros on padding rows.
+    memory rounded to the pool's dtype once, after the ``T`` tokens) unless
+    ``update_state`` is False, fills ``intermediate_memory [B, T, H, K, V]`` and
+    ``intermediate_precision [B, T, H, K]`` with the state after every token when given
+    (padding rows keep theirs), and returns ``o [B, T, H, V]`` in ``v``'s dtype, zeros on
+    padding rows.
     """
     check_slot_values(state_indices, memory_pool.shape[0])
     dtype = work_dtype(q.dtype)
     memory = gather_slots(memory_pool, state_indices).to(dtype)
     precision = gather_slots(precision_pool, state_indices).to(dtype)
-    outputs = []
+    outputs, memories, precisions = [], [], []
     for t in range(q.shape[1]):
         o, memory, precision = diag_kdn_step(
             *(x[:, t].to(dtype) for x in (q, k, v, log_alpha, omega, r)), memory, precision,
             scale=scale, info_scale=info_scale,
         )
         outputs.append(o)
+        memories.append(memory)
+        precisions.append(precision)
     valid = state_indices >= 0
     o = torch.where(valid[:, None, None, None], torch.stack(outputs, dim=1), 0.0)
-    scatter_slots(memory_pool, state_indices, memory)
-    scatter_slots(precision_pool, state_indices, precision)
+    for every, into in ((memories, intermediate_memory), (precisions, intermediate_precision)):
+        if into is not None:
+            every = torch.stack(every, dim=1).to(into.dtype)
+            into.copy_(torch.where(valid.view(-1, *[1] * (into.dim() - 1)), every, into))
+    if update_state:
+        scatter_slots(memory_pool, state_indices, memory)
+        scatter_slots(precision_pool, state_indices, precision)
     return o.to(v.dtype).contiguous()
