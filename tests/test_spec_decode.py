@@ -206,12 +206,15 @@ def _layer(kind, dtype, seed):
     from kdn_compile.layers import GatedDeltaNet, KimiDeltaAttention
 
     torch.manual_seed(seed)
-    cls = {"gdn": GatedDeltaNet, "kda": KimiDeltaAttention}[kind]
+    from kdn_compile.layers import DiagKDN
+
+    cls = {"gdn": GatedDeltaNet, "kda": KimiDeltaAttention, "kdn": DiagKDN}[kind]
     return cls(32, num_heads=2, head_dim=8, conv_size=4).to(dtype).eval()
 
 
 @pytest.mark.parametrize("kind,dtype,steps,tol", [
-    ("kda", torch.float64, 1000, 1e-12), ("gdn", torch.float32, 200, 2e-5)])
+    ("kda", torch.float64, 1000, 1e-12), ("gdn", torch.float32, 200, 2e-5),
+    ("kdn", torch.float64, 300, 1e-12), ("kdn", torch.float32, 100, 2e-5)])
 def test_layer_speculative_run_equals_plain_decoding(kind, dtype, steps, tol):
     """``steps`` rounds of verify-then-commit with random drafts (1 to 4 tokens) and random
     acceptance (0 to all), padding rows and slots recycled along the way, against plain

@@ -249,6 +249,170 @@ class SlotCache:
             y = self.advance(x, cache, state_indices, cu_seqlens, decode)
         return torch.where(padding_mask(state_indices, x, cu_seqlens), y, 0.0)
 
+    # -- speculative decoding: a layer defines _value_heads, _draft_layout, _verify_mix
+    # and _commit_mix
+    def allocate_drafts(self, batch: int, tokens: int, *, state_dtype: torch.dtype = torch.float32,
+                        device=None) -> dict[str, torch.Tensor]:
+        """The buffers of a speculative-decoding verification of ``tokens`` draft tokens for
+        ``batch`` rows (:meth:`verify` fills them, :meth:`commit` reads them).
+
+        Args:
+            batch: rows ``B`` of each verification (an int >= 1; pad with index -1).
+            tokens: draft tokens ``T`` per row, ``1 <= T <= 8``.
+            state_dtype: the dtype of the cache's state pool (:meth:`allocate_cache`):
+                the states are kept in float32, float64 for a float64 pool.
+            device: default the parameters'.
+
+        Returns:
+            ``{"conv": [B, conv_size - 1 + T, C]`` in the parameters' dtype (each row's
+            convolution window, then its tokens' convolution inputs), and the state after
+            each token: ``"recurrent": [B, T, Hv, K, V]`` (:class:`GatedDeltaNet`,
+            :class:`KimiDeltaAttention`) or ``"memory": [B, T, H, K, V]`` and
+            ``"precision": [B, T, H, K]`` (:class:`DiagKDN`)``}``, zeros, each marked
+            with :func:`torch._dynamo.mark_static_address`.
+
+        Raises:
+            ValueError: ``batch`` or ``tokens`` out of range; TypeError: ``state_dtype``
+                not a pool dtype.
+        """
+        if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+            fail(ValueError, f"batch must be an int >= 1, got {shown(batch)}")
+        if (isinstance(tokens, bool) or not isinstance(tokens, int)
+                or not 1 <= tokens <= MAX_DECODE_TOKENS):
+            fail(ValueError, f"tokens must be an int in 1..{MAX_DECODE_TOKENS}, got {shown(tokens)}")
+        self._check_state_dtype(state_dtype)
+        device = self.q_proj.weight.device if device is None else torch.device(device)
+        (window, channels), conv_dtype = self.pool_layout(state_dtype)["conv"]
+        drafts = {"conv": torch.zeros(batch, window + tokens, channels, dtype=conv_dtype,
+                                      device=device)}
+        for name, (shape, dtype) in self._draft_layout(state_dtype).items():
+            drafts[name] = torch.zeros((batch, tokens) + shape, dtype=dtype, device=device)
+        for buffer in drafts.values():
+            torch._dynamo.mark_static_address(buffer)
+        return drafts
+
+    def _check_drafts(self, drafts, cache, batch: int, tokens: int | None = None) -> int:
+        """``drafts`` as :meth:`allocate_drafts` makes them for this cache; returns ``T``."""
+        layout = self._draft_layout(cache[self._state_key].dtype)
+        names = {"conv", *layout}
+        if not isinstance(drafts, dict) or set(drafts) != names:
+            fail(TypeError if not isinstance(drafts, dict) else ValueError,
+                 f"drafts must be the dict of allocate_drafts (keys {', '.join(sorted(names))}), "
+                 "got " + (f"keys {sorted(drafts)}" if isinstance(drafts, dict)
+                           else type(drafts).__name__))
+        first = next(iter(layout))
+        check_tensor(f'drafts["{first}"]', drafts[first], floating=False)
+        t = drafts[first].shape[1] if drafts[first].dim() == 2 + len(layout[first][0]) else -1
+        if tokens is not None and t != tokens:
+            fail(ValueError, f'drafts["{first}"] must be [B, T, ...] with T = {tokens} (the '
+                             f"tokens of x), got shape {dims(drafts[first].shape)}")
+        device = cache["conv"].device
+        for name, (shape, dtype) in layout.items():
+            check_pool(f'drafts["{name}"]', drafts[name], "[B, T, " + ", ".join(
+                str(n) for n in shape) + "]", (t,) + shape, (dtype,), device, slots=batch)
+        window, channels = cache["conv"].shape[1:]
+        check_pool('drafts["conv"]', drafts["conv"], "[B, conv_size - 1 + T, C]",
+                   (window + t, channels), (cache["conv"].dtype,), device, slots=batch)
+        return t
+
+    def verify(self, x: torch.Tensor, cache: dict, state_indices: torch.Tensor,
+               drafts: dict) -> torch.Tensor:
+        """A speculative-decoding verification: the outputs of ``T`` draft tokens per row from
+        the named slots, which stay as they are; the state and convolution window after each
+        token go to ``drafts``, for :meth:`commit`.
+
+        The outputs are those of ``step(x, cache, state_indices)``. Nothing synchronizes with
+        the host: a verification replays in a CUDA graph.
+
+        Args:
+            x: ``[B, T, D]`` in the parameters' dtype, ``1 <= T <= 8``.
+            cache: the dict of :meth:`allocate_cache`.
+            state_indices: ``[B]`` int32/int64 slots (negative: a padding row), as ``step``.
+            drafts: the dict of :meth:`allocate_drafts` for ``B`` rows and ``T`` tokens.
+
+        Returns:
+            ``y [B, T, D]`` in ``x``'s dtype, zeros on padding rows.
+
+        Raises:
+            ValueError, TypeError: naming the argument, as ``step``; ``drafts`` not of
+                ``allocate_drafts(B, T)`` for this cache.
+        """
+        check_tensor("x", x, floating=False)
+        if x.dim() != 3 or not 1 <= x.shape[1] <= MAX_DECODE_TOKENS:
+            fail(ValueError, f"x must be [B, T, D] with 1 <= T <= {MAX_DECODE_TOKENS}, got shape "
+                             f"{dims(x.shape)}")
+        slots = self._check_cache(cache, x.device)
+        check_slot_indices(state_indices, x.shape[0], slots, x.device, beside="x")
+        self._check_drafts(drafts, cache, x.shape[0], x.shape[1])
+        indices = state_indices.contiguous()
+        if not prefer_kernels(x.device.type):
+            check_slot_values(indices, slots)
+        from kdn_compile.layers._common import convolved_qkv
+
+        with torch.no_grad():
+            windows = gather_slots(cache["conv"], indices)
+            q, k, v, _, inputs = convolved_qkv(self, x, windows, None, self._value_heads,
+                                               with_inputs=True)
+            drafts["conv"].copy_(torch.cat((windows.to(inputs.dtype), inputs), dim=1))
+            y = self.output(self._verify_mix(x, q, k, v, cache, indices, drafts), x)
+        return torch.where(padding_mask(indices, x, None), y, 0.0)
+
+    def commit(self, cache: dict, state_indices: torch.Tensor, accepted: torch.Tensor,
+               drafts: dict) -> None:
+        """Commit a verification: slot ``state_indices[b]`` takes its recurrent state and
+        convolution window after the first ``accepted[b]`` draft tokens; with 0 it keeps
+        what it held before the verification; padding rows write nothing.
+
+        Then the slot holds what ``step`` over the accepted tokens leaves (up to the
+        rounding of the projections over ``T`` rows at once against fewer): the states
+        through :func:`kdn_compile.commit_states` (:func:`kdn_compile.commit_diag_kdn_states`
+        for :class:`DiagKDN`).
+
+        Args:
+            cache: the dict of :meth:`allocate_cache` the verification read.
+            state_indices: ``[B]`` the slots the verification named.
+            accepted: ``[B]`` int32/int64 in ``0..T``, checked on the device (a
+                device-side assert on CUDA, a RuntimeError on the CPU).
+            drafts: the dict the verification filled.
+
+        Raises:
+            ValueError, TypeError: naming the argument, as :meth:`verify`.
+        """
+        state = cache.get(self._state_key) if isinstance(cache, dict) else None
+        device = state.device if isinstance(state, torch.Tensor) else None
+        slots = self._check_cache(cache, device)
+        conv = drafts.get("conv") if isinstance(drafts, dict) else None
+        batch = conv.shape[0] if isinstance(conv, torch.Tensor) else -1
+        t = self._check_drafts(drafts, cache, batch)
+        check_slot_indices(state_indices, batch, slots, device, beside="cache")
+        check_slot_indices(accepted, batch, slots, device, name="accepted", beside="cache")
+        with torch.no_grad():
+            self._commit_mix(cache, state_indices.contiguous(), accepted, drafts)
+            window = cache["conv"].shape[1]
+            rows = (accepted.long().clamp(0, t)[:, None]
+                    + torch.arange(window, device=device)[None, :])
+            windows = drafts["conv"].gather(
+                1, rows[..., None].expand(-1, -1, drafts["conv"].shape[-1]))
+            write_slots(cache["conv"], torch.where(accepted > 0, state_indices, -1), windows)
+
+    @property
+    def _value_heads(self) -> int:
+        """Value heads of the convolution's v (a layer's)."""
+        raise NotImplementedError
+
+    def _draft_layout(self, state_dtype) -> dict[str, tuple[tuple, torch.dtype]]:
+        """``{name: (shape of one token's state, dtype)}`` that a verification keeps."""
+        raise NotImplementedError
+
+    def _verify_mix(self, x, q, k, v, cache, indices, drafts) -> torch.Tensor:
+        """The recurrence of a verification: ``o``, the states after each token into
+        ``drafts``, the pools untouched."""
+        raise NotImplementedError
+
+    def _commit_mix(self, cache, indices, accepted, drafts) -> None:
+        """The states of each row's accepted tokens from ``drafts`` into its slots."""
+        raise NotImplementedError
+
     def _conv_step(self, x, cache, indices, cu_seqlens, value_heads):
         """q, k, v through the convolution from the named windows; the new windows stored."""
         from kdn_compile.layers._common import convolved_qkv

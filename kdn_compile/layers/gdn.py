@@ -10,15 +10,11 @@ from torch import nn
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from kdn_compile.api import chunk_gdn, chunk_kda, recurrent_delta_rule
-from kdn_compile._backend import prefer_kernels
-from kdn_compile._checks import check_callable, check_flag, check_pool, check_slot_indices
-from kdn_compile._checks import check_slot_values, check_state, check_tensor, dims, fail
-from kdn_compile._checks import num_sequences, shown
-from kdn_compile.layers._serving import SlotCache, load_state, padding_mask, store_state
-from kdn_compile.layers._serving import write_slots
+from kdn_compile._checks import check_callable, check_flag, check_state, fail, num_sequences
+from kdn_compile.layers._serving import SlotCache, load_state, store_state
 from kdn_compile.layers._state import LayerState, signature, state_entries
 from kdn_compile.reference._common import to_work, work_dtype
-from kdn_compile.reference.pools import POOL_BLOCK_V, gather_slots
+from kdn_compile.reference.pools import POOL_BLOCK_V
 from kdn_compile.layers._common import (
     GatedRMSNorm,
     ShortConv,
@@ -259,148 +255,21 @@ class GatedDeltaNet(SlotCache, nn.Module):
             store_state(cache, "recurrent", indices, final)
         return self.output(o, x)
 
-    # -- speculative decoding ------------------------------------------------------------
-    def allocate_drafts(self, batch: int, tokens: int, *, state_dtype: torch.dtype = torch.float32,
-                        device=None) -> dict[str, torch.Tensor]:
-        """The buffers of a speculative-decoding verification of ``tokens`` draft tokens for
-        ``batch`` rows (:meth:`verify` fills them, :meth:`commit` reads them).
+    # -- speculative decoding (SlotCache.verify / commit) ---------------------------------
+    @property
+    def _value_heads(self) -> int:
+        return self.num_v_heads
 
-        Args:
-            batch: rows ``B`` of each verification (an int >= 1; pad with index -1).
-            tokens: draft tokens ``T`` per row, ``1 <= T <= 8``.
-            state_dtype: the dtype of the cache's state pool (:meth:`allocate_cache`):
-                the states are kept in float32, float64 for a float64 pool.
-            device: default the parameters'.
-
-        Returns:
-            ``{"conv": [B, conv_size - 1 + T, C]`` in the parameters' dtype (each row's
-            convolution window, then its tokens' convolution inputs),
-            ``"recurrent": [B, T, Hv, K, V]`` (the state after each token)``}``, zeros,
-            each marked with :func:`torch._dynamo.mark_static_address`.
-
-        Raises:
-            ValueError: ``batch`` or ``tokens`` out of range; TypeError: ``state_dtype``
-                not a pool dtype.
-        """
-        if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
-            fail(ValueError, f"batch must be an int >= 1, got {shown(batch)}")
-        if (isinstance(tokens, bool) or not isinstance(tokens, int)
-                or not 1 <= tokens <= MAX_DECODE_TOKENS):
-            fail(ValueError, f"tokens must be an int in 1..{MAX_DECODE_TOKENS}, got {shown(tokens)}")
-        self._check_state_dtype(state_dtype)
-        device = self.q_proj.weight.device if device is None else torch.device(device)
-        layout = self.pool_layout(state_dtype)
-        (window, channels), conv_dtype = layout["conv"]
+    def _draft_layout(self, state_dtype):
         states = torch.float64 if state_dtype == torch.float64 else torch.float32
-        drafts = {
-            "conv": torch.zeros(batch, window + tokens, channels, dtype=conv_dtype, device=device),
-            "recurrent": torch.zeros((batch, tokens) + layout["recurrent"][0], dtype=states,
-                                     device=device),
-        }
-        for buffer in drafts.values():
-            torch._dynamo.mark_static_address(buffer)
-        return drafts
+        return {"recurrent": (self.pool_layout(state_dtype)["recurrent"][0], states)}
 
-    def _check_drafts(self, drafts, cache, batch: int, tokens: int | None = None) -> int:
-        """``drafts`` as :meth:`allocate_drafts` makes them for this cache; returns ``T``."""
-        if not isinstance(drafts, dict) or set(drafts) != {"conv", "recurrent"}:
-            fail(TypeError if not isinstance(drafts, dict) else ValueError,
-                 "drafts must be the dict of allocate_drafts (keys conv, recurrent), got "
-                 + (f"keys {sorted(drafts)}" if isinstance(drafts, dict) else type(drafts).__name__))
-        recurrent = drafts["recurrent"]
-        check_tensor('drafts["recurrent"]', recurrent, floating=False)
-        t = recurrent.shape[1] if recurrent.dim() == 5 else -1
-        if tokens is not None and t != tokens:
-            fail(ValueError, f'drafts["recurrent"] must be [B, T, Hv, K, V] with T = {tokens} (the '
-                             f"tokens of x), got shape {dims(recurrent.shape)}")
-        states = torch.float64 if cache["recurrent"].dtype == torch.float64 else torch.float32
-        check_pool('drafts["recurrent"]', recurrent, "[B, T, Hv, K, V]",
-                   (t,) + tuple(cache["recurrent"].shape[1:]), (states,), cache["recurrent"].device,
-                   slots=batch)
-        window, channels = cache["conv"].shape[1:]
-        check_pool('drafts["conv"]', drafts["conv"], "[B, conv_size - 1 + T, C]",
-                   (window + t, channels), (cache["conv"].dtype,), cache["conv"].device,
-                   slots=batch)
-        return t
+    def _verify_mix(self, x, q, k, v, cache, indices, drafts):
+        q, k, g, beta = self.mixer_inputs(x, q, k)
+        return delta_rule_decode(q, k, v, g, beta, cache["recurrent"], indices,
+                                 pool_scales=cache.get("recurrent_scales"),
+                                 intermediate_states=drafts["recurrent"], update_state=False)
 
-    def verify(self, x: torch.Tensor, cache: dict, state_indices: torch.Tensor,
-               drafts: dict) -> torch.Tensor:
-        """A speculative-decoding verification: the outputs of ``T`` draft tokens per row from
-        the named slots, which stay as they are; the state and convolution window after each
-        token go to ``drafts``, for :meth:`commit`.
-
-        The outputs are those of ``step(x, cache, state_indices)``. Nothing synchronizes with
-        the host: a verification replays in a CUDA graph.
-
-        Args:
-            x: ``[B, T, D]`` in the parameters' dtype, ``1 <= T <= 8``.
-            cache: the dict of :meth:`allocate_cache`.
-            state_indices: ``[B]`` int32/int64 slots (negative: a padding row), as ``step``.
-            drafts: the dict of :meth:`allocate_drafts` for ``B`` rows and ``T`` tokens.
-
-        Returns:
-            ``y [B, T, D]`` in ``x``'s dtype, zeros on padding rows.
-
-        Raises:
-            ValueError, TypeError: naming the argument, as ``step``; ``drafts`` not of
-                ``allocate_drafts(B, T)`` for this cache.
-        """
-        check_tensor("x", x, floating=False)
-        if x.dim() != 3 or not 1 <= x.shape[1] <= MAX_DECODE_TOKENS:
-            fail(ValueError, f"x must be [B, T, D] with 1 <= T <= {MAX_DECODE_TOKENS}, got shape "
-                             f"{dims(x.shape)}")
-        slots = self._check_cache(cache, x.device)
-        check_slot_indices(state_indices, x.shape[0], slots, x.device, beside="x")
-        self._check_drafts(drafts, cache, x.shape[0], x.shape[1])
-        indices = state_indices.contiguous()
-        if not prefer_kernels(x.device.type):
-            check_slot_values(indices, slots)
-        with torch.no_grad():
-            windows = gather_slots(cache["conv"], indices)
-            q, k, v, _, inputs = convolved_qkv(self, x, windows, None, self.num_v_heads,
-                                               with_inputs=True)
-            drafts["conv"].copy_(torch.cat((windows.to(inputs.dtype), inputs), dim=1))
-            q, k, g, beta = self.mixer_inputs(x, q, k)
-            o = delta_rule_decode(q, k, v, g, beta, cache["recurrent"], indices,
-                                  pool_scales=cache.get("recurrent_scales"),
-                                  intermediate_states=drafts["recurrent"], update_state=False)
-            y = self.output(o, x)
-        return torch.where(padding_mask(indices, x, None), y, 0.0)
-
-    def commit(self, cache: dict, state_indices: torch.Tensor, accepted: torch.Tensor,
-               drafts: dict) -> None:
-        """Commit a verification: slot ``state_indices[b]`` takes its recurrent state and
-        convolution window after the first ``accepted[b]`` draft tokens; with 0 it keeps
-        what it held before the verification; padding rows write nothing.
-
-        Then the slot holds what ``step`` over the accepted tokens leaves (up to the
-        rounding of the projections over ``T`` rows at once against fewer): the recurrent
-        state through :func:`kdn_compile.commit_states`.
-
-        Args:
-            cache: the dict of :meth:`allocate_cache` the verification read.
-            state_indices: ``[B]`` the slots the verification named.
-            accepted: ``[B]`` int32/int64 in ``0..T``, checked on the device (a
-                device-side assert on CUDA, a RuntimeError on the CPU).
-            drafts: the dict the verification filled.
-
-        Raises:
-            ValueError, TypeError: naming the argument, as :meth:`verify`.
-        """
-        device = cache["recurrent"].device if isinstance(cache, dict) and "recurrent" in cache \
-            else None
-        slots = self._check_cache(cache, device)
-        batch = drafts["recurrent"].shape[0] if isinstance(drafts, dict) and isinstance(
-            drafts.get("recurrent"), torch.Tensor) else -1
-        t = self._check_drafts(drafts, cache, batch)
-        check_slot_indices(state_indices, batch, slots, device, beside="cache")
-        check_slot_indices(accepted, batch, slots, device, name="accepted", beside="cache")
-        with torch.no_grad():
-            commit_states(cache["recurrent"], state_indices.contiguous(), drafts["recurrent"],
-                          accepted, pool_scales=cache.get("recurrent_scales"))
-            window = cache["conv"].shape[1]
-            rows = (accepted.long().clamp(0, t)[:, None]
-                    + torch.arange(window, device=device)[None, :])
-            windows = drafts["conv"].gather(
-                1, rows[..., None].expand(-1, -1, drafts["conv"].shape[-1]))
-            write_slots(cache["conv"], torch.where(accepted > 0, state_indices, -1), windows)
+    def _commit_mix(self, cache, indices, accepted, drafts):
+        commit_states(cache["recurrent"], indices, drafts["recurrent"], accepted,
+                      pool_scales=cache.get("recurrent_scales"))

@@ -21,7 +21,9 @@ from kdn_compile.reference import (
     kalman_noise,
     normalize_query_key,
 )
-from kdn_compile.serving import KDN_MEMORY_DTYPES, MAX_DECODE_TOKENS, diag_kdn_decode
+from kdn_compile.serving import (
+    KDN_MEMORY_DTYPES, MAX_DECODE_TOKENS, commit_diag_kdn_states, diag_kdn_decode,
+)
 
 
 class DiagKDN(SlotCache, nn.Module):
@@ -68,7 +70,9 @@ class DiagKDN(SlotCache, nn.Module):
     ``reset_cache(cache, slots)`` frees slots for reuse and ``step(x, cache,
     state_indices, cu_seqlens=None) -> y`` advances the named slots in place: prompts
     through :func:`kdn_compile.diag_kdn`, decode steps of up to 8 tokens through
-    :func:`kdn_compile.diag_kdn_decode`.
+    :func:`kdn_compile.diag_kdn_decode`. Speculative decoding: ``verify(x, cache,
+    state_indices, drafts) -> y`` and ``commit(cache, state_indices, accepted, drafts)``
+    with the buffers of ``allocate_drafts(batch, tokens)``, as :class:`GatedDeltaNet`.
 
     Raises:
         ValueError: a size (``hidden_size``, ``num_heads``, head dims, ``chunk_size``,
@@ -250,3 +254,26 @@ class DiagKDN(SlotCache, nn.Module):
             write_slots(cache["memory"], indices, memory)
             write_slots(cache["precision"], indices, precision)
         return self.output(o, x)
+
+    # -- speculative decoding (SlotCache.verify / commit) ---------------------------------
+    @property
+    def _value_heads(self) -> int:
+        return self.num_heads
+
+    def _draft_layout(self, state_dtype):
+        layout = self.pool_layout(state_dtype)
+        memory = torch.float64 if state_dtype == torch.float64 else torch.float32
+        return {"memory": (layout["memory"][0], memory), "precision": layout["precision"]}
+
+    def _verify_mix(self, x, q, k, v, cache, indices, drafts):
+        q, k, log_alpha, omega, r, _ = self.mixer_inputs(x, q, k, v)
+        return diag_kdn_decode(
+            q, k, v, log_alpha, omega, r, cache["memory"], cache["precision"], indices,
+            scale=self.head_dim**-0.5, info_scale=self.info_scale,
+            intermediate_memory=drafts["memory"], intermediate_precision=drafts["precision"],
+            update_state=False,
+        )
+
+    def _commit_mix(self, cache, indices, accepted, drafts):
+        commit_diag_kdn_states(cache["memory"], cache["precision"], indices, drafts["memory"],
+                               drafts["precision"], accepted)
