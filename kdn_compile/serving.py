@@ -128,7 +128,8 @@ def delta_rule_decode(
         update_state: False leaves ``state_pool`` and ``pool_scales`` as they are (a
             speculative-decoding verification: the states go to
             ``intermediate_states``, and :func:`commit_states` then writes each row's
-            state after its accepted tokens, or none).
+            state after its accepted tokens, or none; without ``intermediate_states`` the
+            step computes outputs only).
 
     Returns:
         ``o [B, T, Hv, V]`` in ``v``'s dtype, zeros on padding rows.
@@ -201,10 +202,14 @@ def commit_states(
     tokens), rounded to the pool's dtype (float8: quantized with one scale per ``[K, 64]``
     tile, as :func:`kdn_compile.reference.fp8.quantize_state_fp8`, into ``pool_scales``);
     for ``a = 0`` the slot keeps the state from before the verification. Padding rows
-    (negative indices) write nothing. With a float32 pool and float32 intermediate
-    states, verifying ``T`` tokens and committing ``a`` leaves the slot bit for bit where
-    ``a`` one-token steps would have left it. Nothing synchronizes with the host: a commit
-    replays in a CUDA graph.
+    (negative indices) write nothing. With a float32 pool, float32 intermediate states and
+    inputs in float32 or half precision, verifying ``T`` tokens and committing ``a`` leaves
+    the slot where ``a`` one-token steps would have left it: bit for bit on the CPU (the
+    references and the kernels in Triton's interpreter); on CUDA up to the rounding of
+    fused multiply-adds, which the compiler may contract differently in the kernel's
+    specializations (measured bit for bit on an H100 at K = V = 128 for float32 and float8
+    pools, not for bfloat16). Nothing synchronizes with the host: a commit replays in a
+    CUDA graph.
 
     Args:
         state_pool: ``[S, Hv, K, V]`` (``[S, Hv, V, K]`` with ``state_v_first``),
@@ -240,7 +245,8 @@ def commit_states(
     if float8:
         hv, dv = state_pool.shape[1], state_pool.shape[2 if state_v_first else 3]
         check_pool("pool_scales", pool_scales, "[S, Hv, ceil(V / 64)]",
-                   (hv, -(-dv // POOL_BLOCK_V)), (torch.float32,), device, slots=slots)
+                   (hv, -(-dv // POOL_BLOCK_V)), (torch.float32,), device, slots=slots,
+                   beside="intermediate_states")
     check_slot_indices(state_indices, b, slots, device, beside="intermediate_states")
     check_slot_indices(accepted, b, slots, device, name="accepted",
                        beside="intermediate_states")
@@ -265,11 +271,13 @@ def _check_intermediates(name: str, intermediate, pool_name: str, pool, state: s
         fail(ValueError, f"{name} must be [B, T, {state[1:-1]}] (5 dims), got shape "
                          f"{dims(intermediate.shape)}")
     b, t = intermediate.shape[:2]
+    if t < 1:
+        fail(ValueError, f"{name} must hold T >= 1 tokens, got shape {dims(intermediate.shape)}")
     slots = check_pool(pool_name, pool, "[S, " + state[1:], tuple(intermediate.shape[2:]),
-                       pool_dtypes, intermediate.device)
+                       pool_dtypes, intermediate.device, beside=name)
     allowed = (torch.float64,) if pool.dtype == torch.float64 else _INTERMEDIATE_DTYPES
     check_pool(name, intermediate, "[B, T, " + state[1:], (t,) + tuple(pool.shape[1:]), allowed,
-               intermediate.device, slots=b)
+               intermediate.device, slots=b, beside=name, written=False)
     return b, t, slots
 
 
@@ -279,8 +287,9 @@ def _accepted_rows(state_indices, slots: int, intermediate: torch.Tensor, accept
     b, t = intermediate.shape[:2]
     check_slot_values(state_indices, slots)
     if intermediate.device.type != "meta":
+        # T stays out of the message: formatting a symbolic T would specialize it
         torch._assert_async(((accepted >= 0) & (accepted <= t)).all(),
-                            f"accepted must be in 0..T = 0..{t}")
+                            "accepted must be in 0..T, T the tokens of the intermediate states")
     rows = intermediate[torch.arange(b, device=intermediate.device), (accepted - 1).clamp_min(0)]
     return rows, torch.where(accepted > 0, state_indices, -1)
 
@@ -321,9 +330,10 @@ def commit_diag_kdn_states(
     device = intermediate_memory.device
     precision_dtype = work_dtype(memory_pool.dtype)
     check_pool("precision_pool", precision_pool, "[S, H, K]", tuple(memory_pool.shape[1:3]),
-               (precision_dtype,), device, slots=slots)
+               (precision_dtype,), device, slots=slots, beside="intermediate_memory")
     check_pool("intermediate_precision", intermediate_precision, "[B, T, H, K]",
-               (t,) + tuple(memory_pool.shape[1:3]), (precision_dtype,), device, slots=b)
+               (t,) + tuple(memory_pool.shape[1:3]), (precision_dtype,), device, slots=b,
+               beside="intermediate_memory", written=False)
     check_slot_indices(state_indices, b, slots, device, beside="intermediate_memory")
     check_slot_indices(accepted, b, slots, device, name="accepted", beside="intermediate_memory")
     _check_inference(memory_pool=memory_pool, precision_pool=precision_pool,

@@ -38,10 +38,19 @@ def _decode(x, pool, scales, idx, **kw):
                                          pool_scales=scales, **kw)
 
 
-def check_commit(backend, per_key, pool_dtype, state_v_first, device="cpu", K=K, V=V):
+def check_commit(backend, per_key, pool_dtype, state_v_first, device="cpu", K=K, V=V,
+                 exact=True):
     """Verify T tokens without updating the pool, then commit: each slot holds, bit for bit,
     what one decode step of the row's accepted tokens leaves (accepted 0: its state from
-    before); padding rows and slots not named stay as they were."""
+    before); padding rows and slots not named stay as they were. Without ``exact`` the
+    outputs agree to float32 rounding and the slots to one rounding of the pool's dtype
+    (the kernel's specializations may contract multiply-adds differently on CUDA)."""
+
+    def same(a, b):
+        if exact:
+            return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+        return torch.allclose(a.float(), b.float(), rtol=2.0 ** -7, atol=1e-6)
+
     seed = 11 + per_key + 2 * state_v_first
     print(f"seed {seed}")
     work = torch.float64 if pool_dtype == torch.float64 else torch.float32
@@ -60,7 +69,8 @@ def check_commit(backend, per_key, pool_dtype, state_v_first, device="cpu", K=K,
         if scales is not None:
             assert torch.equal(s, scales), "verify wrote the pool's scales"
         o_updating = _decode(x, pool.clone(), _clone(scales), idx, state_v_first=state_v_first)
-        assert torch.equal(o, o_updating), "update_state changes the outputs"
+        assert torch.equal(o, o_updating) or not exact and torch.allclose(
+            o, o_updating, rtol=1e-5, atol=1e-6), "update_state changes the outputs"
         kdn_compile.commit_states(p, idx, inter, accepted, pool_scales=s,
                                   state_v_first=state_v_first)
         for row, slot in enumerate(idx.tolist()):
@@ -72,10 +82,9 @@ def check_commit(backend, per_key, pool_dtype, state_v_first, device="cpu", K=K,
                 head = {n: t[row:row + 1, :a] for n, t in x.items()}
                 _decode(head, expected, expected_scales, idx[row:row + 1],
                         state_v_first=state_v_first)
-            assert torch.equal(p[slot].view(torch.uint8), expected[slot].view(torch.uint8)), (
-                f"slot {slot} after committing {a} of {T} tokens")
+            assert same(p[slot], expected[slot]), f"slot {slot} after committing {a} of {T} tokens"
             if scales is not None:
-                assert torch.equal(s[slot], expected_scales[slot]), f"slot {slot}'s scales"
+                assert same(s[slot], expected_scales[slot]), f"slot {slot}'s scales"
     for slot in (0, 3, 5):  # not named
         assert torch.equal(p[slot].view(torch.uint8), pool[slot].view(torch.uint8)), slot
 
@@ -175,7 +184,7 @@ def _commit_args(**change):
 
 
 @pytest.mark.parametrize("change,error,match", [
-    (dict(accepted=torch.tensor([0, 1, 2, 4])), RuntimeError, r"accepted must be in 0\.\.T = 0\.\.3"),
+    (dict(accepted=torch.tensor([0, 1, 2, 4])), RuntimeError, r"accepted must be in 0\.\.T, T the tokens"),
     (dict(accepted=torch.tensor([0, 1, -1, 2])), RuntimeError, "accepted must be in"),
     (dict(accepted=torch.tensor([0.0, 1, 2, 3])), TypeError, "accepted must be int32 or int64"),
     (dict(accepted=torch.tensor([0, 1, 2])), ValueError, r"accepted must be \[B\]"),
@@ -203,11 +212,9 @@ def test_update_state_must_be_a_bool():
 # -- the layers: verify, then commit ------------------------------------------------------
 
 def _layer(kind, dtype, seed):
-    from kdn_compile.layers import GatedDeltaNet, KimiDeltaAttention
+    from kdn_compile.layers import DiagKDN, GatedDeltaNet, KimiDeltaAttention
 
     torch.manual_seed(seed)
-    from kdn_compile.layers import DiagKDN
-
     cls = {"gdn": GatedDeltaNet, "kda": KimiDeltaAttention, "kdn": DiagKDN}[kind]
     return cls(32, num_heads=2, head_dim=8, conv_size=4).to(dtype).eval()
 
@@ -274,8 +281,18 @@ def test_layer_verify_leaves_the_cache_and_errors_name_the_argument():
         layer.allocate_drafts(2, 9)
     with pytest.raises(TypeError, match="accepted must be int32 or int64"):
         layer.commit(cache, idx, torch.tensor([0.5, 1.0]), drafts)
-    with pytest.raises(RuntimeError, match=r"accepted must be in 0\.\.T = 0\.\.3"):
+    with pytest.raises(RuntimeError, match=r"accepted must be in 0\.\.T, T the tokens"):
         layer.commit(cache, idx, torch.tensor([0, 4]), drafts)
+    with pytest.raises(RuntimeError, match="state_indices must be those of the verification"):
+        layer.commit(cache, torch.tensor([1, 3]), torch.tensor([1, 1]), drafts)
+    with pytest.raises(RuntimeError, match="state_indices must be those of the verification"):
+        layer.commit(cache, idx, torch.tensor([1, 1]), layer.allocate_drafts(2, 3))  # unfilled
+    with pytest.raises(ValueError, match="must be contiguous: call"):
+        kdn_compile.commit_states(cache["recurrent"], idx,
+                                  torch.zeros(3, 2, 2, 8, 8).transpose(0, 1), torch.tensor([0, 0]))
+    with pytest.raises(ValueError, match="T >= 1 tokens"):
+        kdn_compile.commit_states(cache["recurrent"], idx, torch.zeros(2, 0, 2, 8, 8),
+                                  torch.tensor([0, 0]))
 
 
 def test_layer_verify_and_commit_compile_fullgraph():

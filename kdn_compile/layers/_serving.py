@@ -268,8 +268,9 @@ class SlotCache:
             convolution window, then its tokens' convolution inputs), and the state after
             each token: ``"recurrent": [B, T, Hv, K, V]`` (:class:`GatedDeltaNet`,
             :class:`KimiDeltaAttention`) or ``"memory": [B, T, H, K, V]`` and
-            ``"precision": [B, T, H, K]`` (:class:`DiagKDN`)``}``, zeros, each marked
-            with :func:`torch._dynamo.mark_static_address`.
+            ``"precision": [B, T, H, K]`` (:class:`DiagKDN`); ``"indices": [B]`` int64,
+            the slots of the verification that filled them (-1 before any)``}``, zeros,
+            each marked with :func:`torch._dynamo.mark_static_address`.
 
         Raises:
             ValueError: ``batch`` or ``tokens`` out of range; TypeError: ``state_dtype``
@@ -284,7 +285,9 @@ class SlotCache:
         device = self.q_proj.weight.device if device is None else torch.device(device)
         (window, channels), conv_dtype = self.pool_layout(state_dtype)["conv"]
         drafts = {"conv": torch.zeros(batch, window + tokens, channels, dtype=conv_dtype,
-                                      device=device)}
+                                      device=device),
+                  # the slots of the verification that filled the buffers (-1: none yet)
+                  "indices": torch.full((batch,), -1, dtype=torch.long, device=device)}
         for name, (shape, dtype) in self._draft_layout(state_dtype).items():
             drafts[name] = torch.zeros((batch, tokens) + shape, dtype=dtype, device=device)
         for buffer in drafts.values():
@@ -294,7 +297,7 @@ class SlotCache:
     def _check_drafts(self, drafts, cache, batch: int, tokens: int | None = None) -> int:
         """``drafts`` as :meth:`allocate_drafts` makes them for this cache; returns ``T``."""
         layout = self._draft_layout(cache[self._state_key].dtype)
-        names = {"conv", *layout}
+        names = {"conv", "indices", *layout}
         if not isinstance(drafts, dict) or set(drafts) != names:
             fail(TypeError if not isinstance(drafts, dict) else ValueError,
                  f"drafts must be the dict of allocate_drafts (keys {', '.join(sorted(names))}), "
@@ -302,7 +305,11 @@ class SlotCache:
                            else type(drafts).__name__))
         first = next(iter(layout))
         check_tensor(f'drafts["{first}"]', drafts[first], floating=False)
-        t = drafts[first].shape[1] if drafts[first].dim() == 2 + len(layout[first][0]) else -1
+        if drafts[first].dim() != 2 + len(layout[first][0]):
+            fail(ValueError, f'drafts["{first}"] must be [B, T, ...] ({2 + len(layout[first][0])} '
+                             f"dims) as allocate_drafts makes it, got shape "
+                             f"{dims(drafts[first].shape)}")
+        t = drafts[first].shape[1]
         if tokens is not None and t != tokens:
             fail(ValueError, f'drafts["{first}"] must be [B, T, ...] with T = {tokens} (the '
                              f"tokens of x), got shape {dims(drafts[first].shape)}")
@@ -313,6 +320,8 @@ class SlotCache:
         window, channels = cache["conv"].shape[1:]
         check_pool('drafts["conv"]', drafts["conv"], "[B, conv_size - 1 + T, C]",
                    (window + t, channels), (cache["conv"].dtype,), device, slots=batch)
+        check_pool('drafts["indices"]', drafts["indices"], "[B]", (), (torch.long,), device,
+                   slots=batch)
         return t
 
     def verify(self, x: torch.Tensor, cache: dict, state_indices: torch.Tensor,
@@ -354,6 +363,7 @@ class SlotCache:
             q, k, v, _, inputs = convolved_qkv(self, x, windows, None, self._value_heads,
                                                with_inputs=True)
             drafts["conv"].copy_(torch.cat((windows.to(inputs.dtype), inputs), dim=1))
+            drafts["indices"].copy_(indices)
             y = self.output(self._verify_mix(x, q, k, v, cache, indices, drafts), x)
         return torch.where(padding_mask(indices, x, None), y, 0.0)
 
@@ -377,6 +387,9 @@ class SlotCache:
 
         Raises:
             ValueError, TypeError: naming the argument, as :meth:`verify`.
+            RuntimeError: on the CPU (a device-side assert on CUDA), ``accepted`` outside
+                ``0..T``, or ``state_indices`` not those of the verification that filled
+                ``drafts`` (drafts never filled, or a row padded there and named here).
         """
         state = cache.get(self._state_key) if isinstance(cache, dict) else None
         device = state.device if isinstance(state, torch.Tensor) else None
@@ -387,6 +400,10 @@ class SlotCache:
         check_slot_indices(state_indices, batch, slots, device, beside="cache")
         check_slot_indices(accepted, batch, slots, device, name="accepted", beside="cache")
         with torch.no_grad():
+            if device.type != "meta":
+                torch._assert_async((state_indices.long() == drafts["indices"]).all(),
+                                    "state_indices must be those of the verification that "
+                                    "filled drafts (padding rows included)")
             self._commit_mix(cache, state_indices.contiguous(), accepted, drafts)
             window = cache["conv"].shape[1]
             rows = (accepted.long().clamp(0, t)[:, None]
