@@ -315,12 +315,13 @@ def check_kdn_inputs(
 
 
 def check_pool(name: str, pool, layout: str, row_shape: tuple, dtypes: tuple, device,
-               *, slots=None):
+               *, slots=None, beside: str = "q", written: bool = True):
     """A contiguous tensor ``[slots, *row_shape]`` (``layout`` names the dims in messages) of
-    one of ``dtypes`` on ``device`` (``q``'s); ``slots`` ``None`` takes any count >= 1 (a
-    pool), an expected count any value (rows of a batch, none included). Returns the count.
-    The expected shape is formatted only for a message, so that symbolic sizes keep their
-    symbols (no specialization while compiling)."""
+    one of ``dtypes`` on ``device`` (the device of the argument ``beside``); ``slots``
+    ``None`` takes any count >= 1 (a pool), an expected count any value (rows of a batch,
+    none included). ``written``: the message of a strided tensor says it is written in
+    place. Returns the count. The expected shape is formatted only for a message, so that
+    symbolic sizes keep their symbols (no specialization while compiling)."""
     if not isinstance(pool, torch.Tensor):
         fail(TypeError, f"{name} must be a torch.Tensor, got {type(pool).__name__}")
     if pool.dtype not in dtypes:
@@ -335,10 +336,11 @@ def check_pool(name: str, pool, layout: str, row_shape: tuple, dtypes: tuple, de
     if slots is None and pool.shape[0] < 1:
         fail(ValueError, f"{name} must have at least one slot, got shape {dims(pool.shape)}")
     if pool.device != device:
-        fail(ValueError, f"{name} is on {pool.device} but q is on {device}")
+        fail(ValueError, f"{name} is on {pool.device} but {beside} is on {device}")
     if not pool.is_contiguous():
-        fail(ValueError, f"{name} must be contiguous (it is updated in place): call "
-                         f".contiguous() once when allocating it")
+        fail(ValueError, f"{name} must be contiguous" + (
+            " (it is updated in place): call .contiguous() once when allocating it" if written
+            else ": call .contiguous() on it"))
     return pool.shape[0]
 
 
