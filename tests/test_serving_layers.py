@@ -400,5 +400,5 @@ def test_decode_reference_outputs_have_the_fakes_layout():
     kd = kdn_inputs(B=2, T=3, H=2, K=4, V=3, dtype=torch.float32)
     o2 = torch.ops.kdn.diag_kdn_decode_reference(
         kd["q"], kd["k"], kd["v"], kd["log_alpha"], kd["omega"], kd["r"], kd["memory"],
-        kd["precision"], torch.tensor([1, 0]), 0.5, 1.0)
+        kd["precision"], torch.tensor([1, 0]), 0.5, 1.0, None, None)
     assert o.is_contiguous() and o2.is_contiguous()

@@ -99,8 +99,8 @@ _KDN_MUTATES = ("memory_pool", "precision_pool", "intermediate_memory",
 def diag_kdn_decode_reference_op(
     q: Tensor, k: Tensor, v: Tensor, log_alpha: Tensor, omega: Tensor, r: Tensor,
     memory_pool: Tensor, precision_pool: Tensor, state_indices: Tensor, scale: float,
-    info_scale: float, intermediate_memory: Optional[Tensor] = None,
-    intermediate_precision: Optional[Tensor] = None, update_state: bool = True,
+    info_scale: float, intermediate_memory: Optional[Tensor],
+    intermediate_precision: Optional[Tensor], update_state: bool = True,
 ) -> Tensor:
     """The exact reference (:func:`kdn_compile.reference.pools.diag_kdn_decode_reference`)."""
     return diag_kdn_decode_reference(
@@ -112,7 +112,7 @@ def diag_kdn_decode_reference_op(
 
 @diag_kdn_decode_reference_op.register_fake
 def _kdn_fake(q, k, v, log_alpha, omega, r, memory_pool, precision_pool, state_indices,
-              scale, info_scale, intermediate_memory=None, intermediate_precision=None,
+              scale, info_scale, intermediate_memory, intermediate_precision,
               update_state=True):
     return v.new_empty(v.shape)
 
@@ -132,8 +132,8 @@ def _kdn_kernels(q, v, memory_pool, precision_pool, intermediate_memory,
 def diag_kdn_decode_body(
     q: Tensor, k: Tensor, v: Tensor, log_alpha: Tensor, omega: Tensor, r: Tensor,
     memory_pool: Tensor, precision_pool: Tensor, state_indices: Tensor, scale: float,
-    info_scale: float, intermediate_memory: Optional[Tensor] = None,
-    intermediate_precision: Optional[Tensor] = None, update_state: bool = True,
+    info_scale: float, intermediate_memory: Optional[Tensor],
+    intermediate_precision: Optional[Tensor], update_state: bool = True,
 ) -> Tensor:
     """Diag-KDN decode step over pools; Triton where it can, else the reference op.
     Without ``update_state`` the pools are read, not written."""
