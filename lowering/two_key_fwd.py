@@ -1,6 +1,6 @@
 """Forward of the two-key, per-key-decay chunked delta rule (KDA, Diag-KDN memory).
 
-Five launches (see :mod:`two_key_common` for the decay factoring and its bound):
+Four launches (see :mod:`two_key_common` for the decay factoring and its bound):
 
 1. ``_two_key_fwd_decay_kernel`` (one program per chunk, 64-key slice and value head):
    the in-chunk cumulative log decay ``c`` of ``g`` floored at ``log_decay_floor``,
@@ -13,9 +13,10 @@ Five launches (see :mod:`two_key_common` for the decay factoring and its bound):
 3. ``_two_key_fwd_solve_kernel`` (one program per chunk and value head):
    ``T = (I + A)^-1`` (stored), then ``Wk = T (k e^c)`` and ``U = T v``.
 4. ``_two_key_fwd_state_kernel`` (one program per sequence, value head and value
-   tile, sequential over chunks): ``X = U - Wk S``,
-   ``S <- e^{c_last} S + (w e^{c_last - c})^T X``; saves each chunk's start state.
-5. ``_two_key_fwd_output_kernel`` (one program per chunk): ``o = scale((q e^c) S + R X)``.
+   tile, sequential over chunks): ``X = U - Wk S``, the output
+   ``o = scale((q e^c) S + R X)`` from the chunk's start state ``S`` and ``X`` as stored
+   (in the compute dtype), ``S <- e^{c_last} S + (w e^{c_last - c})^T X``; saves each
+   chunk's start state and ``X`` for the backward.
 
 Math source: the WY form of :func:`kdn_compile.reference.two_key_chunk_recurrence`.
 """
@@ -53,11 +54,12 @@ from kdn_compile.lowering.two_key_common import (
 
 # Launch configurations: the pairs kernel (16-key slices, 2 warps: the whole forward
 # 0.945x its time at 32 / 4 warps at 8x4096x16 and 1x32768x16, H200); the state pass for half
-# inputs (32-wide value tiles: twice the programs of 64 for the sequential pass and no
-# spills, ptxas sm_90, Triton 3.6: 232 registers at BV=32, 255 and 144 bytes of spill at
-# BV=64), and where that leaves fewer than two programs per multiprocessor 16-wide tiles
-# with three stages (see state_launch; the whole forward 0.91x its time at two stages at
-# 1x32768x16, H200; float32 inputs take one stage).
+# inputs (32-wide value tiles: twice the programs of 64 for the sequential pass; with the
+# output in the pass, ptxas sm_90 of Triton 3.9, bf16 K = V = 128: 212 registers and 132 KB
+# of shared memory at BV=32, 4 warps, 2 stages, no spills; 255 registers and 48 bytes of
+# spill at BV=64), and where that leaves fewer than two programs per multiprocessor 16-wide
+# tiles with three stages (see state_launch; the whole forward 0.91x its time at two stages
+# at 1x32768x16, H200, before the output joined the pass; float32 inputs take one stage).
 PAIRS_LAUNCH = {"BK": 16, "num_warps": 2, "num_stages": 1}
 STATE_LAUNCH = {"BV": 32, "num_warps": 4, "num_stages": 2}
 STATE_LAUNCH_NARROW = {"BV": 16, "num_warps": 4, "num_stages": 3}
@@ -271,11 +273,12 @@ def _two_key_fwd_solve_kernel(
 
 @triton.jit
 def _two_key_fwd_state_kernel(
-    wk, u, wl, c, h, x, h0, ht,
-    cu_seqlens, offsets, s_k, s_v,
+    wk, u, wl, c, qd, rmat, h, x, o, h0, ht,
+    cu_seqlens, offsets, s_k, s_v, scale,
     Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BV: tl.constexpr, HAS_H0: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
+    scale = tl.cast(scale, tl.float32)  # Inductor passes Python floats as fp64
     # One flat grid axis (value tiles fastest): sequences x heads can exceed 65535, the
     # limit of CUDA's second grid axis.
     i_v, i_nh = tl.program_id(0) % (V // BV), tl.program_id(0) // (V // BV)
@@ -299,11 +302,21 @@ def _two_key_fwd_state_kernel(
         t0 = bos + j * BT
         m_t = (t0 + o_r) < eos
         last = tl.minimum(t0 + BT, eos) - 1
-        tl.store(h + ((slot + j) * Hv + i_h) * K * V + p_slot, b_s.to(h.dtype.element_ty))
+        # the start state and the innovations in their stored dtype, as the backward reads them
+        b_h = b_s.to(h.dtype.element_ty)
+        tl.store(h + ((slot + j) * Hv + i_h) * K * V + p_slot, b_h)
         b_wk = tl.load(wk + (t0 * Hv + i_h) * K + p_kt, mask=m_t[:, None], other=0.0)
         b_x = tl.load(u + (t0 * Hv + i_h) * V + p_vt, mask=m_t[:, None], other=0.0).to(tl.float32)
         b_x -= tl.dot(b_wk, b_s.to(b_wk.dtype), input_precision=DOT_PREC)
-        tl.store(x + (t0 * Hv + i_h) * V + p_vt, b_x.to(x.dtype.element_ty), mask=m_t[:, None])
+        b_xs = b_x.to(x.dtype.element_ty)
+        tl.store(x + (t0 * Hv + i_h) * V + p_vt, b_xs, mask=m_t[:, None])
+        # o = scale ((q e^c) S + R X)
+        b_qd = tl.load(qd + (t0 * Hv + i_h) * K + p_kt, mask=m_t[:, None], other=0.0)
+        b_r = load_rows(rmat, t0, o_r, m_t, i_h, Hv, BT).to(b_xs.dtype)
+        b_o = tl.dot(b_r, b_xs, input_precision=DOT_PREC)
+        b_o += tl.dot(b_qd, b_h.to(b_qd.dtype), input_precision=DOT_PREC)
+        tl.store(o + (t0 * Hv + i_h) * V + p_vt, (scale * b_o).to(o.dtype.element_ty),
+                 mask=m_t[:, None])
         b_wl = tl.load(wl + (t0 * Hv + i_h) * K + p_kt, mask=m_t[:, None], other=0.0)
         b_el = tl.exp(load_row(c, last, eos, i_h, Hv, K))
         b_s = b_s * b_el[:, None] + tl.dot(tl.trans(b_wl), b_x.to(b_wl.dtype),
@@ -311,38 +324,6 @@ def _two_key_fwd_state_kernel(
     p_end = ((slot + tl.cdiv(eos - bos, BT)) * Hv + i_h) * K * V
     tl.store(h + p_end + p_slot, b_s.to(h.dtype.element_ty))
     tl.store(ht + i_nh.to(tl.int64) * K * V + p_state, b_s)
-
-
-@triton.jit
-def _two_key_fwd_output_kernel(
-    qd, h, rmat, x, o,
-    spans, scale,
-    Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DOT_PREC: tl.constexpr,
-):
-    scale = tl.cast(scale, tl.float32)  # Inductor passes Python floats as fp64
-    i_c, i_v, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    # index loads in the kernel body, not a helper: see _launch.py on mutation analysis
-    t0 = tl.load(spans + 3 * i_c).to(tl.int64)
-    eos = tl.load(spans + 3 * i_c + 1).to(tl.int64)
-    if t0 >= eos:  # a surplus chunk
-        return
-    i_n = tl.load(spans + 3 * i_c + 2)
-    o_bt = tl.arange(0, BT)
-    m_t = (t0 + o_bt) < eos
-    o_v = i_v * BV + tl.arange(0, BV)
-    p_h = h + ((i_c + i_n).to(tl.int64) * Hv + i_h) * K * V
-    p_x = (t0 * Hv + i_h) * V + (o_bt[:, None] * (Hv * V) + o_v[None, :])
-    b_x = tl.load(x + p_x, mask=m_t[:, None], other=0.0)
-    b_r = load_rows(rmat, t0, o_bt, m_t, i_h, Hv, BT).to(b_x.dtype)
-    b_o = tl.dot(b_r, b_x, input_precision=DOT_PREC)
-    for i_k in range(K // BK):
-        o_k = i_k * BK + tl.arange(0, BK)
-        b_h = tl.load(p_h + o_k[:, None] * V + o_v[None, :])
-        p_qd = qd + (t0 * Hv + i_h) * K + (o_bt[:, None] * (Hv * K) + o_k[None, :])
-        b_qd = tl.load(p_qd, mask=m_t[:, None], other=0.0)
-        b_o += tl.dot(b_qd, b_h, input_precision=DOT_PREC)
-    tl.store(o + p_x, (scale * b_o).to(o.dtype.element_ty), mask=m_t[:, None])
 
 
 def two_key_fwd(
@@ -449,22 +430,15 @@ def two_key_fwd(
         # float32 spills at either, more at 2 (ptxas sm_90)
         DOT_PREC=prec, num_warps=4 if dt == torch.float32 else 2, num_stages=1,
     )
-    block_v = min(64, value_dim)
     state = state_launch(STATE_LAUNCH, STATE_LAUNCH_NARROW, value_dim, num_seqs * hv, q.device,
                          dtype=dt)
     state_v = min(state["BV"], value_dim)
     wrap_triton(_two_key_fwd_state_kernel)[(triton.cdiv(value_dim, state_v) * num_seqs * hv,)](
-        wk, u, wl, c, h, x, h0, final_state,
-        bounds, offsets, s_k, s_v,
+        wk, u, wl, c, qd, rmat, h, x, o, h0, final_state,
+        bounds, offsets, s_k, s_v, scale,
         Hv=hv, K=key_dim, V=value_dim, BT=BT, BV=state_v,
         HAS_H0=initial_state is not None, DOT_PREC=prec,
         num_warps=state["num_warps"],
         num_stages=state["num_stages"],
-    )
-    wrap_triton(_two_key_fwd_output_kernel)[(num_chunks, triton.cdiv(value_dim, block_v), hv)](
-        qd, h, rmat, x, o,
-        spans, scale,
-        Hv=hv, K=key_dim, V=value_dim, BT=BT, BK=min(64, key_dim), BV=block_v,
-        DOT_PREC=prec, num_warps=4, num_stages=2,
     )
     return (o, final_state, c, qd, kd, wl, tmat, rmat, h, x, spans, offsets)

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.gpu
 
 LAYERS = {
     "gdn": (layers.GatedDeltaNet, ("_chunk_gdn_fwd_kernel", "_chunk_gdn_bwd_grad_kernel")),
-    "kda": (layers.KimiDeltaAttention, ("_two_key_fwd_output_kernel", "_two_key_bwd_rows_kernel")),
+    "kda": (layers.KimiDeltaAttention, ("_two_key_fwd_state_kernel", "_two_key_bwd_rows_kernel")),
     "kdn": (layers.DiagKDN, ("_kalman_gain_fwd_kernel", "_kalman_gain_bwd_kernel")),
 }
 

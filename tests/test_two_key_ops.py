@@ -250,8 +250,8 @@ def kernel_path_traces():
     return trace_kernel_paths("gdn", "kda", "kdn", "export")
 
 
-@pytest.mark.parametrize("which,expected", [("gdn", "counts [2, 3]"), ("kda", "counts [5, 4]"),
-                                            ("kdn", "counts [8, 7]"),
+@pytest.mark.parametrize("which,expected", [("gdn", "counts [2, 3]"), ("kda", "counts [4, 4]"),
+                                            ("kdn", "counts [7, 7]"),
                                             ("export", "exported kdn ['kdn.diag_kdn.default']")])
 def test_kernel_path_traces_as_on_the_gpu(kernel_path_traces, which, expected):
     """The kernel branch traced on the CPU (tests/_trace_kernel_path.py, the four modes in
