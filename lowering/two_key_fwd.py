@@ -11,9 +11,10 @@ Four launches (see :mod:`two_key_common` for the decay factoring and its bound):
    (``q`` in place of ``k``, diagonal included); the earlier blocks' columns in one
    product factored about the block's first row, the diagonal block in halves.
 3. ``_two_key_fwd_solve_kernel`` (one program per chunk and value head):
-   ``T = (I + A)^-1`` (stored), then ``Wk = T (k e^c)`` and ``U = T v``.
+   ``T = (I + A)^-1`` (stored).
 4. ``_two_key_fwd_state_kernel`` (one program per sequence, value head and value
-   tile, sequential over chunks): ``X = U - Wk S``, the output
+   tile, sequential over chunks): ``X = T (v - (k e^c) S)`` (``T`` applied in the
+   pass: ``T k e^c`` and ``T v`` are never written), the output
    ``o = scale((q e^c) S + R X)`` from the chunk's start state ``S`` and ``X`` as stored
    (in the compute dtype), ``S <- e^{c_last} S + (w e^{c_last - c})^T X``; saves each
    chunk's start state and ``X`` for the backward.
@@ -207,12 +208,11 @@ def _store_blocks(ptr, b0, b1, b2, b3, t, m_r, i_h, H: tl.constexpr, BT: tl.cons
 
 @triton.jit
 def _two_key_fwd_solve_kernel(
-    ascr, kd, v, tmat, wk, u,
+    ascr, tmat,
     spans,
-    Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BT: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr, DOT_PREC: tl.constexpr,
+    Hv: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
 ):
-    """``T = (I + A)^-1`` (stored), then ``Wk = T (k e^c)`` and ``U = T v``."""
+    """``T = (I + A)^-1``, stored."""
     tl.static_assert(BT == 4 * BC)
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     # index loads in the kernel body, not a helper: see _launch.py on mutation analysis
@@ -255,25 +255,11 @@ def _two_key_fwd_solve_kernel(
     _store_blocks(tmat, t10, t11, b_zero, b_zero, t1, m_1, i_h, Hv, BT, BC)
     _store_blocks(tmat, t20, t21, t22, b_zero, t2, m_2, i_h, Hv, BT, BC)
     _store_blocks(tmat, t30, t31, t32, t33, t3, m_3, i_h, Hv, BT, BC)
-    tl.debug_barrier()
-
-    # T back as one [BT, BT] tile in its stored dtype (what the backward reads)
-    o_t = tl.arange(0, BT)
-    m_t = t0 + o_t < eos
-    b_t = load_tile(tmat, t0, o_t, m_t, i_h, o_t, Hv, BT).to(kd.dtype.element_ty)
-    for i_d in tl.static_range(K // BD):
-        o_d = i_d * BD + tl.arange(0, BD)
-        b_x = load_tile(kd, t0, o_t, m_t, i_h, o_d, Hv, K).to(kd.dtype.element_ty)
-        store_tile(wk, tl.dot(b_t, b_x, input_precision=DOT_PREC), t0, o_t, m_t, i_h, o_d, Hv, K)
-    for i_d in tl.static_range(V // BD):
-        o_d = i_d * BD + tl.arange(0, BD)
-        b_x = load_tile(v, t0, o_t, m_t, i_h, o_d, Hv, V).to(kd.dtype.element_ty)
-        store_tile(u, tl.dot(b_t, b_x, input_precision=DOT_PREC), t0, o_t, m_t, i_h, o_d, Hv, V)
 
 
 @triton.jit
 def _two_key_fwd_state_kernel(
-    wk, u, wl, c, qd, rmat, h, x, o, h0, ht,
+    kd, v, tmat, wl, c, qd, rmat, h, x, o, h0, ht,
     cu_seqlens, offsets, s_k, s_v, scale,
     Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BV: tl.constexpr, HAS_H0: tl.constexpr, DOT_PREC: tl.constexpr,
@@ -305,9 +291,12 @@ def _two_key_fwd_state_kernel(
         # the start state and the innovations in their stored dtype, as the backward reads them
         b_h = b_s.to(h.dtype.element_ty)
         tl.store(h + ((slot + j) * Hv + i_h) * K * V + p_slot, b_h)
-        b_wk = tl.load(wk + (t0 * Hv + i_h) * K + p_kt, mask=m_t[:, None], other=0.0)
-        b_x = tl.load(u + (t0 * Hv + i_h) * V + p_vt, mask=m_t[:, None], other=0.0).to(tl.float32)
-        b_x -= tl.dot(b_wk, b_s.to(b_wk.dtype), input_precision=DOT_PREC)
+        # X = T (v - (k e^c) S)
+        b_kd = tl.load(kd + (t0 * Hv + i_h) * K + p_kt, mask=m_t[:, None], other=0.0)
+        b_y = tl.load(v + (t0 * Hv + i_h) * V + p_vt, mask=m_t[:, None], other=0.0).to(tl.float32)
+        b_y -= tl.dot(b_kd, b_h.to(b_kd.dtype), input_precision=DOT_PREC)
+        b_t = load_rows(tmat, t0, o_r, m_t, i_h, Hv, BT).to(tmat.dtype.element_ty)
+        b_x = tl.dot(b_t, b_y.to(b_t.dtype), input_precision=DOT_PREC)
         b_xs = b_x.to(x.dtype.element_ty)
         tl.store(x + (t0 * Hv + i_h) * V + p_vt, b_xs, mask=m_t[:, None])
         # o = scale ((q e^c) S + R X)
@@ -395,8 +384,6 @@ def two_key_fwd(
     ascr = q.new_empty((tokens, hv, BT), dtype=torch.float32)
     tmat = q.new_empty((tokens, hv, BT), dtype=dt)
     rmat = q.new_empty((tokens, hv, BT), dtype=dt)
-    wk = q.new_empty((tokens, hv, key_dim), dtype=dt)
-    u = q.new_empty((tokens, hv, value_dim), dtype=dt)
     # Packed sequences: num_chunks is an upper bound and its surplus slots are never
     # written; zeros keep the saved tensors deterministic (kdn::chunk_kda returns them).
     alloc = q.new_zeros if cu_seqlens is not None else q.new_empty
@@ -423,18 +410,13 @@ def two_key_fwd(
         num_stages=PAIRS_LAUNCH["num_stages"],
     )
     wrap_triton(_two_key_fwd_solve_kernel)[(num_chunks, hv)](
-        ascr, kd, vf, tmat, wk, u,
-        spans,
-        Hv=hv, K=key_dim, V=value_dim, BT=BT, BC=BC, BD=min(64, key_dim, value_dim),
-        # half inputs: 2 warps, the whole forward 0.96x its time at 4 (H200);
-        # float32 spills at either, more at 2 (ptxas sm_90)
-        DOT_PREC=prec, num_warps=4 if dt == torch.float32 else 2, num_stages=1,
+        ascr, tmat, spans, Hv=hv, BT=BT, BC=BC, num_warps=2, num_stages=1,
     )
     state = state_launch(STATE_LAUNCH, STATE_LAUNCH_NARROW, value_dim, num_seqs * hv, q.device,
                          dtype=dt)
     state_v = min(state["BV"], value_dim)
     wrap_triton(_two_key_fwd_state_kernel)[(triton.cdiv(value_dim, state_v) * num_seqs * hv,)](
-        wk, u, wl, c, qd, rmat, h, x, o, h0, final_state,
+        kd, vf, tmat, wl, c, qd, rmat, h, x, o, h0, final_state,
         bounds, offsets, s_k, s_v, scale,
         Hv=hv, K=key_dim, V=value_dim, BT=BT, BV=state_v,
         HAS_H0=initial_state is not None, DOT_PREC=prec,
