@@ -315,3 +315,15 @@ def test_layer_verify_and_commit_compile_fullgraph():
     torch.testing.assert_close(y2, y1, rtol=1e-5, atol=1e-5)
     for name in c1:
         torch.testing.assert_close(c2[name], c1[name], rtol=1e-5, atol=1e-5)
+
+
+def test_drafts_of_another_dtype_name_the_cache_state_dtype():
+    from kdn_compile.layers import KimiDeltaAttention
+
+    layer = KimiDeltaAttention(32, num_heads=2, head_dim=8).double()
+    cache = layer.allocate_cache(4, state_dtype=torch.float64)
+    drafts = layer.allocate_drafts(2, 3)  # float32 states: not this cache's
+    with pytest.raises(TypeError, match=r"allocate_drafts\(\.\.\., state_dtype=torch.float64\)"):
+        with torch.no_grad():
+            layer.verify(torch.randn(2, 3, 32, dtype=torch.float64), cache, torch.tensor([1, 3]),
+                         drafts)

@@ -315,6 +315,11 @@ class SlotCache:
                              f"tokens of x), got shape {dims(drafts[first].shape)}")
         device = cache["conv"].device
         for name, (shape, dtype) in layout.items():
+            if isinstance(drafts[name], torch.Tensor) and drafts[name].dtype != dtype:
+                fail(TypeError, f'drafts["{name}"] must be {dtype} for this cache, got '
+                                f"{drafts[name].dtype}: allocate the drafts with the cache's "
+                                f"state_dtype (allocate_drafts(..., state_dtype="
+                                f"{cache[self._state_key].dtype}))")
             check_pool(f'drafts["{name}"]', drafts[name], "[B, T, " + ", ".join(
                 str(n) for n in shape) + "]", (t,) + shape, (dtype,), device, slots=batch)
         window, channels = cache["conv"].shape[1:]
