@@ -61,19 +61,27 @@ def recurrent_kernel_supports(q, v, state_dtypes=()) -> bool:
     )
 
 
-def decode_config(rows: int, heads: int, value_dim: int, state_dtype: torch.dtype
+def decode_config(rows: int | None, heads: int, value_dim: int, state_dtype: torch.dtype
                   ) -> tuple[int, int]:
     """``(BV, num_warps)``: value columns per program and warps, from shapes only.
 
-    Fastest on the H200 in CUDA-graph replays at ``K = V = 128``, batch 64 and 256
-    (``kdn-compile bench --ops decode`` times the defaults): float32 pools 64 columns on 2
-    warps (279 us at batch 256, against 299 for 32 on 4); bfloat16 32 on 2 (190 against
-    209 for 64 on 2); float8 pools need ``BV = 64`` (one program per scale tile), on 4 warps
-    (228 against 304 on 2). Few ``rows * heads`` (batch 1): 8-column tiles on one warp,
-    the most programs.
+    ``rows`` None: a step over a pool, whose launch never depends on the batch, so that a
+    row's outputs and slot are bit for bit the same whatever else is batched beside it
+    (the tile shape decides the order of the sums over the keys): float32 and bfloat16
+    pools 32 columns on one warp, float8 pools 64 (one program per scale tile) on 4.
+    Measured on an H100 in CUDA-graph replays at ``K = V = 128``, 32 heads, against the
+    batch-dependent launches below: float32 batch 256 386 us against 373, batch 1 10.5
+    against 10.5, batch 64 x 4 tokens 146 against 158.
+
+    Otherwise (the token recurrence over whole sequences) the launches that were the
+    fastest pool steps on the H200 at batch 64 and 256: float32 64 columns on 2 warps (279 us at batch 256, against 299 for
+    32 on 4); bfloat16 32 on 2 (190 against 209 for 64 on 2); float8 64 on 4 warps (228
+    against 304 on 2); few ``rows * heads``: 8-column tiles on one warp, the most programs.
     """
     if state_dtype == torch.float8_e4m3fn:
         tile, warps = FP8_BLOCK_V, 4
+    elif rows is None:
+        tile, warps = 32, 1
     elif rows * heads < 512:
         tile, warps = 8, 1
     elif state_dtype == torch.float32:
@@ -234,7 +242,7 @@ def recurrent_delta_fwd(
     n = num_sequences(b, cu_seqlens)
     kept = state_in if state_out is None else state_out
     dtype = kept.dtype if _state_kind(state_in) != _FP8 else state_in.dtype
-    tile, warps = decode_config(n, hv, dv, dtype)
+    tile, warps = decode_config(None if indices is not None else n, hv, dv, dtype)
     tile, warps = block_v or tile, num_warps or warps
     o = torch.empty_like(v)
     slots = kept.shape[0] if indices is not None else n
