@@ -74,9 +74,10 @@ def decode_config(rows: int | None, heads: int, value_dim: int, state_dtype: tor
     against 10.5, batch 64 x 4 tokens 146 against 158.
 
     Otherwise (the token recurrence over whole sequences) the launches that were the
-    fastest pool steps on the H200 at batch 64 and 256: float32 64 columns on 2 warps (279 us at batch 256, against 299 for
-    32 on 4); bfloat16 32 on 2 (190 against 209 for 64 on 2); float8 64 on 4 warps (228
-    against 304 on 2); few ``rows * heads``: 8-column tiles on one warp, the most programs.
+    fastest pool steps on the H200 at batch 64 and 256: float32 64 columns on 2 warps
+    (279 us at batch 256, against 299 for 32 on 4); bfloat16 32 on 2 (190 against 209 for
+    64 on 2); float8 64 on 4 warps (228 against 304 on 2); few ``rows * heads``: 8-column
+    tiles on one warp, the most programs.
     """
     if state_dtype == torch.float8_e4m3fn:
         tile, warps = FP8_BLOCK_V, 4
