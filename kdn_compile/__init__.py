@@ -9,6 +9,7 @@ in the ``kdn`` namespace; :mod:`kdn_compile.reference` holds the exact oracles.
 from kdn_compile._backend import BACKENDS, get_backend, set_backend, use_backend
 from kdn_compile._checks import ArgumentRuntimeError, ArgumentTypeError, ArgumentValueError
 from kdn_compile.api import chunk_gdn, chunk_kda, diag_kdn, recurrent_delta_rule, state_fp8_qdq
+from kdn_compile.checkpoints import chunk_checkpoints
 from kdn_compile.debug import get_debug, set_debug
 from kdn_compile.serving import (
     commit_diag_kdn_states, commit_states, delta_rule_decode, diag_kdn_decode,
@@ -19,7 +20,8 @@ __version__ = "0.1.0"
 __all__ = [
     "BACKENDS", "get_backend", "set_backend", "use_backend", "get_debug", "set_debug",
     "chunk_gdn", "chunk_kda", "diag_kdn", "recurrent_delta_rule", "state_fp8_qdq",
-    "commit_diag_kdn_states", "commit_states", "delta_rule_decode", "diag_kdn_decode",
+    "chunk_checkpoints", "commit_diag_kdn_states", "commit_states", "delta_rule_decode",
+    "diag_kdn_decode",
     "ArgumentValueError", "ArgumentTypeError", "ArgumentRuntimeError",
 ]
 

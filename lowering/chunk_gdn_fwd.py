@@ -350,10 +350,12 @@ def _qdq_state(b_h, hs, hs_scales, chunk, remaining, i_h, i_v, H: tl.constexpr,
 @triton.jit
 def _chunk_gdn_fwd_kernel(
     q, k, v, gc, beta, ai, aqk, w, o, h0, ht, hs, hs_scales, cu_seqlens, offsets, scale, T,
+    cp, cp_every, cp_count,
     H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BV: tl.constexpr, HAS_H0: tl.constexpr, RECOMPUTE: tl.constexpr,
     STATE_V_FIRST: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
     STATE_QDQ: tl.constexpr, SOFT_CAST: tl.constexpr, WY: tl.constexpr,
+    CHECKPOINTS: tl.constexpr,
 ):
     scale = tl.cast(scale, tl.float32)  # Inductor passes Python floats as fp64
     # a head's value tiles on adjacent programs, so that they run in the same wave and
@@ -429,6 +431,11 @@ def _chunk_gdn_fwd_kernel(
         if STATE_QDQ:
             b_h = _qdq_state(b_h, hs, hs_scales, c0 + i_t + 1, length - (i_t + 1) * BT, i_h,
                              i_v, H, K, V, BV, SOFT_CAST)
+        if CHECKPOINTS:  # the state after every cp_every whole chunks: cp [N, C, H, K, V]
+            i_c = (i_t + 1) // cp_every - 1
+            if ((i_t + 1) % cp_every == 0) & (i_c < cp_count) & ((i_t + 1) * BT <= length):
+                p_cp = cp + ((i_n.to(tl.int64) * cp_count + i_c) * H + i_h) * K * V
+                tl.store(p_cp + o_k[:, None] * V + o_v[None, :], b_h)
     if not RECOMPUTE:
         tl.store(ht + i_nh.to(tl.int64) * K * V + state_tile(i_v, K, V, BV, STATE_V_FIRST), b_h)
 
@@ -456,13 +463,15 @@ def gdn_prepare(q, k, g, beta, cu_seqlens, layout, *, with_m=True, with_ai=True)
 
 def _recurrence(q, k, v, gc, beta, ai, aqk, initial_state, cu_seqlens, layout, *,
                 scale, state_v_first, recompute, qdq_block_v=0, w=None, deltas=False,
-                keep_states=False):
+                keep_states=False, checkpoints=None, checkpoint_chunks=0):
     """The recurrence kernel: ``(o, ht, hs, hs_scales)``. ``recompute``: no ``ht``, the start
     state of every chunk in ``hs`` and, with ``deltas``, ``delta`` (like ``v``, in ``k``'s
     dtype) in place of ``o`` (else None). ``qdq_block_v > 0``: state QDQ, one program
     per scale tile, and ``hs`` float8 with its ``hs_scales`` (in the forward only with
     ``keep_states``; else both None there). ``w``: the WY operands given, ``W`` and ``U``
-    in ``v`` (``beta``, ``ai`` unused)."""
+    in ``v`` (``beta``, ``ai`` unused). ``checkpoints``: float32 ``[N, C, Hv, K, V]``
+    receiving the state after every ``checkpoint_chunks`` whole chunks of each sequence
+    (the first ``C``; those past a sequence's end are not written)."""
     batch, length, n, hk, hv, dk, dv, bound, offsets, _ = layout
     plain = not qdq_block_v and w is None
     tile, stages, warps = recurrence_config(
@@ -484,12 +493,14 @@ def _recurrence(q, k, v, gc, beta, ai, aqk, initial_state, cu_seqlens, layout, *
         hs = k.new_empty((bound, hv, dk, dv))
     wrap_triton(_chunk_gdn_fwd_kernel)[(n * hv * (dv // tile),)](
         q, k, v, gc, beta, ai, aqk, w, o, initial_state, ht, hs, hs_scales, cu_seqlens, offsets,
-        scale, length,
+        scale, length, checkpoints, max(checkpoint_chunks, 1),
+        0 if checkpoints is None else checkpoints.shape[1],
         H=hv, HK=hk, K=dk, V=dv, BT=CHUNK, BV=tile,
         HAS_H0=initial_state is not None, RECOMPUTE=recompute,
         STATE_V_FIRST=state_v_first, IS_VARLEN=cu_seqlens is not None,
         DOT_PREC=dot_precision(k.dtype), STATE_QDQ=bool(qdq_block_v), SOFT_CAST=soft_cast(),
-        WY=w is not None, num_warps=warps, num_stages=stages,
+        WY=w is not None, CHECKPOINTS=checkpoints is not None, num_warps=warps,
+        num_stages=stages,
     )
     return o, ht, hs, hs_scales
 
@@ -499,7 +510,8 @@ def _scale(scale, q):
 
 
 def chunk_gdn_fwd(q, k, v, g, beta, initial_state, cu_seqlens, *, chunk_size, scale,
-                  state_v_first, state_qdq=False, state_qdq_block_v=64):
+                  state_v_first, state_qdq=False, state_qdq_block_v=64, checkpoints=None,
+                  checkpoint_every=0):
     """Chunked GDN forward on the GPU (or under ``TRITON_INTERPRET=1``).
 
     Args:
@@ -514,6 +526,10 @@ def chunk_gdn_fwd(q, k, v, g, beta, initial_state, cu_seqlens, *, chunk_size, sc
         state_qdq: E4M3 fake quantization of the state (:mod:`.fp8`), one scale per
             ``[K, state_qdq_block_v]`` tile of the key-first state: the initial state,
             then each chunk's final state after that chunk's readout.
+        checkpoints: float32 ``[N, C, Hv, K, V]`` (key-first whatever ``state_v_first``)
+            or None: receives the state after every ``checkpoint_every`` tokens (a
+            multiple of 64) of each sequence, checkpoint ``c`` after ``(c + 1) *
+            checkpoint_every`` tokens; those past a sequence's end are left as they are.
 
     Raises:
         ValueError: inputs that :func:`gdn_kernel_supports` does not cover.
@@ -538,7 +554,8 @@ def chunk_gdn_fwd(q, k, v, g, beta, initial_state, cu_seqlens, *, chunk_size, sc
     o, ht, _, _ = _recurrence(
         q, k, v, gc, beta, ai, aqk, initial_state, cu_seqlens, layout,
         scale=_scale(scale, q), state_v_first=state_v_first, recompute=False,
-        qdq_block_v=state_qdq_block_v if state_qdq else 0,
+        qdq_block_v=state_qdq_block_v if state_qdq else 0, checkpoints=checkpoints,
+        checkpoint_chunks=checkpoint_every // CHUNK,
     )
     return o, ht, gc, ai, aqk
 

@@ -260,9 +260,10 @@ def _two_key_fwd_solve_kernel(
 @triton.jit
 def _two_key_fwd_state_kernel(
     kd, v, tmat, wl, c, qd, rmat, h, x, o, h0, ht,
-    cu_seqlens, offsets, s_k, s_v, scale,
+    cu_seqlens, offsets, s_k, s_v, scale, cp, cp_every, cp_count,
     Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BV: tl.constexpr, HAS_H0: tl.constexpr, DOT_PREC: tl.constexpr,
+    CHECKPOINTS: tl.constexpr,
 ):
     scale = tl.cast(scale, tl.float32)  # Inductor passes Python floats as fp64
     # One flat grid axis (value tiles fastest): sequences x heads can exceed 65535, the
@@ -310,6 +311,11 @@ def _two_key_fwd_state_kernel(
         b_el = tl.exp(load_row(c, last, eos, i_h, Hv, K))
         b_s = b_s * b_el[:, None] + tl.dot(tl.trans(b_wl), b_x.to(b_wl.dtype),
                                            input_precision=DOT_PREC)
+        if CHECKPOINTS:  # the state after every cp_every whole chunks: cp [N, C, Hv, K, V]
+            i_c = (j + 1) // cp_every - 1
+            if ((j + 1) % cp_every == 0) & (i_c < cp_count) & (t0 + BT <= eos):
+                p_cp = cp + ((i_n.to(tl.int64) * cp_count + i_c) * Hv + i_h) * K * V
+                tl.store(p_cp + p_slot, b_s)
     p_end = ((slot + tl.cdiv(eos - bos, BT)) * Hv + i_h) * K * V
     tl.store(h + p_end + p_slot, b_s.to(h.dtype.element_ty))
     tl.store(ht + i_nh.to(tl.int64) * K * V + p_state, b_s)
@@ -329,6 +335,8 @@ def two_key_fwd(
     state_v_first: bool,
     log_decay_floor: float = LOG_DECAY_BOUND,
     beta: torch.Tensor | None = None,
+    checkpoints: torch.Tensor | None = None,
+    checkpoint_every: int = 0,
 ) -> tuple[torch.Tensor, ...]:
     """Chunked two-key delta rule with per-key decay on the GPU (or the Triton interpreter).
 
@@ -349,6 +357,11 @@ def two_key_fwd(
             (``LOG_DECAY_BOUND = -20``: see :mod:`two_key_common`).
         beta: ``[B, T, Hv]`` or None: KDA's write key ``w = beta k``, formed in the
             kernels (give ``w`` or ``beta``, not both).
+        checkpoints: float32 ``[N, C, Hv, K, V]`` (key-first whatever
+            ``state_v_first``) or None: receives the state after every
+            ``checkpoint_every`` tokens (a multiple of 64) of each sequence, checkpoint
+            ``c`` after ``(c + 1) * checkpoint_every``; those past a sequence's end are
+            left as they are.
 
     Returns:
         ``(o, final_state, c, qd, kd, wl, tmat, rmat, h, x, spans, offsets)``:
@@ -417,9 +430,10 @@ def two_key_fwd(
     state_v = min(state["BV"], value_dim)
     wrap_triton(_two_key_fwd_state_kernel)[(triton.cdiv(value_dim, state_v) * num_seqs * hv,)](
         kd, vf, tmat, wl, c, qd, rmat, h, x, o, h0, final_state,
-        bounds, offsets, s_k, s_v, scale,
+        bounds, offsets, s_k, s_v, scale, checkpoints, max(checkpoint_every // BT, 1),
+        0 if checkpoints is None else checkpoints.shape[1],
         Hv=hv, K=key_dim, V=value_dim, BT=BT, BV=state_v,
-        HAS_H0=initial_state is not None, DOT_PREC=prec,
+        HAS_H0=initial_state is not None, DOT_PREC=prec, CHECKPOINTS=checkpoints is not None,
         num_warps=state["num_warps"],
         num_stages=state["num_stages"],
     )

@@ -34,7 +34,9 @@ from triton.compiler import ASTSource  # noqa: E402
 
 import kdn_compile  # noqa: E402
 from _helpers import launch_recorder, launcher_modules  # noqa: E402
-from kdn_compile.ops import decode, fp8, gdn, gdn_wy, kda, kdn, recurrent, slots  # noqa: E402
+from kdn_compile.ops import (  # noqa: E402
+    checkpoints, decode, fp8, gdn, gdn_wy, kda, kdn, recurrent, slots,
+)
 
 
 def _type(value, float_type: str) -> str:
@@ -151,6 +153,12 @@ def _decode_calls(H, K, dtype, gen):
     kdn_compile.diag_kdn_decode(q, k, v, la, om, torch.rand(2, 3, H, generator=gen) + 0.1,
                                 torch.zeros(3, H, K, K), torch.ones(3, H, K), slots,
                                 scale=0.125, info_scale=1.0)
+    # a prefill keeping prefix-cache checkpoints, GDN and KDA, packed
+    cu = torch.tensor([0, 1, 3])
+    for g in (-torch.rand(1, 3, H, generator=gen), -torch.rand(1, 3, H, K, generator=gen)):
+        kdn_compile.chunk_checkpoints(q[:1], k[:1], v[:1], g, beta[:1], torch.zeros(3, H, K, K),
+                                      torch.tensor([[0], [1]]), checkpoint_every=64,
+                                      cu_seqlens=cu)
     # the layers' caches: rows into pool slots, padding rows skipped
     torch.ops.kdn.scatter_slots(torch.zeros(3, H, K), slots, r(2, H, K))
 
@@ -170,7 +178,7 @@ def record_launches(B=1, T=70, H=2, K=64, dtypes=(torch.bfloat16, torch.float32)
             module._launch = lambda kernel, grid, like: record(kernel)[grid]
         if sms is not None and hasattr(module, "sm_count"):
             module.sm_count = lambda device: sms
-    for module in (gdn, gdn_wy, kda, kdn, recurrent, decode, slots, fp8):
+    for module in (gdn, gdn_wy, kda, kdn, recurrent, decode, slots, fp8, checkpoints):
         module.can_launch = lambda x: True
     # The kernels are real JIT functions by now; the gain's support check reads this
     # variable at call time to allow CPU tensors.
@@ -209,7 +217,7 @@ def written_indices(kernel, args, kwargs) -> set[str]:
 
 
 # Constexpr flags that add code paths to a kernel (each a superset of the path without it).
-_PATH_FLAGS = ("STATE_QDQ", "QBV", "WALK", "WY", "WITH_M", "WITH_AI")
+_PATH_FLAGS = ("STATE_QDQ", "QBV", "WALK", "WY", "WITH_M", "WITH_AI", "CHECKPOINTS")
 
 
 def variant(kernel, kwargs) -> str:

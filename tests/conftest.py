@@ -38,7 +38,7 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
 GROUPS = {
     "kernels": ("test_gdn_kernels.py", "test_two_key_kernels.py", "test_two_key_ops.py",
                 "test_kalman_gain_kernels.py", "test_numerics_gpu.py", "test_qat_gpu.py",
-                "test_decode_gpu.py", "test_invariance_gpu.py"),
+                "test_decode_gpu.py", "test_invariance_gpu.py", "test_checkpoints_gpu.py"),
     "capture": ("test_gpu_capture.py", "test_errors_gpu.py", "test_serving_layers_gpu.py",
                 "test_fla_calls.py", "test_docs_gpu.py"),
     "distributed": ("test_distributed_gpu.py",),

@@ -108,6 +108,12 @@ def _decode_cases():
     for op in (ops.diag_kdn_decode.default, ops.diag_kdn_decode_reference.default):
         cases.append((op._schema.name, op, args))
         cases.append((f"{op._schema.name}-verify", op, verify))
+    cu = torch.tensor([0, 70, 70, 140])  # prefix-cache checkpoints: 1, 0 and 1 kept
+    for per_key in (False, True):
+        x = delta_inputs(B=1, T=140, Hk=1, Hv=2, K=4, V=3, per_key=per_key, N=3)
+        args = (x["q"], x["k"], x["v"], x["g"], x["beta"], x["initial_state"], cu, 0.5, 64, 2)
+        for op in (ops.chunk_checkpoints.default, ops.chunk_checkpoints_reference.default):
+            cases.append((f"{op._schema.name}-{'kda' if per_key else 'gdn'}", op, args))
     for pool_dtype in (torch.float32, torch.float8_e4m3fn):  # rows into slots, padding skipped
         args = (torch.randn(4, 2, 3).to(pool_dtype), idx, torch.randn(3, 2, 3).to(pool_dtype))
         for op in (ops.scatter_slots.default, ops.scatter_slots_reference.default):

@@ -2,7 +2,9 @@
 
 import torch.distributed
 
-from kdn_compile.ops import decode, fp8, gdn, gdn_wy, kda, kdn, recurrent, slots  # noqa: F401
+from kdn_compile.ops import (  # noqa: F401
+    checkpoints, decode, fp8, gdn, gdn_wy, kda, kdn, recurrent, slots,
+)
 from kdn_compile.ops._autocast import outside_autocast
 
 if torch.distributed.is_available():  # context parallelism's collectives, DTensor rules

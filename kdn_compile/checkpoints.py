@@ -1,0 +1,155 @@
+"""Prefix-cache checkpoints: a prompt's prefill that also keeps its states in pool slots.
+
+A recurrent model's prefix cache needs the state after the first ``m`` tokens of a prompt
+(a shared system prompt, a conversation's earlier turns), which a plain prefill passes
+through without keeping. :func:`chunk_checkpoints` runs the chunked GDN or KDA prefill of
+packed or batched prompts and writes the state after every ``checkpoint_every`` tokens of
+each sequence into pool slots named per sequence. A later prompt that starts with the
+same ``m`` tokens copies that slot into its own and prefills only the rest
+(``initial_state``), with the outputs and final state of the whole prompt: bit for bit
+with a float32 pool when ``m`` is a multiple of the chunk size (the chunks then start at
+the same tokens), within the pool's rounding otherwise.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import kdn_compile.ops  # noqa: F401  (registers torch.ops.kdn)
+from kdn_compile._backend import prefer_kernels
+from kdn_compile._checks import (
+    check_delta_inputs, check_no_tangents, dims, fail, num_sequences, shown, type_name,
+)
+from kdn_compile.debug import check_values
+from kdn_compile.ops._dispatch import eager_cuda
+from kdn_compile.ops.checkpoints import CHUNK, chunk_checkpoints_body
+from kdn_compile.serving import _check_inference, commit_states
+
+__all__ = ["chunk_checkpoints", "checkpoint_rows"]
+
+_ops = torch.ops.kdn
+
+
+def _check_every(checkpoint_every) -> int:
+    if isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, int):
+        fail(TypeError, f"checkpoint_every must be an int, got {type_name(checkpoint_every)}")
+    if checkpoint_every < CHUNK or checkpoint_every % CHUNK:
+        fail(ValueError, f"checkpoint_every must be a positive multiple of the chunk size "
+                         f"{CHUNK}, got {shown(checkpoint_every)}")
+    return checkpoint_every
+
+
+def _check_indices(checkpoint_indices, rows: int, device) -> int:
+    if not isinstance(checkpoint_indices, torch.Tensor):
+        fail(TypeError, f"checkpoint_indices must be a torch.Tensor, got "
+                        f"{type_name(checkpoint_indices)}")
+    if checkpoint_indices.dtype not in (torch.int32, torch.int64):
+        fail(TypeError, f"checkpoint_indices must be int32 or int64, got "
+                        f"{checkpoint_indices.dtype}")
+    if checkpoint_indices.dim() != 2 or checkpoint_indices.shape[0] != rows:
+        fail(ValueError, f"checkpoint_indices must be [N, C] with N = {rows} sequences, got "
+                         f"{dims(checkpoint_indices.shape)}")
+    if checkpoint_indices.device != device:
+        fail(ValueError, f"checkpoint_indices is on {checkpoint_indices.device} but q is on "
+                         f"{device}")
+    return checkpoint_indices.shape[1]
+
+
+def checkpoint_rows(checkpoint_indices: torch.Tensor, checkpoint_every: int,
+                    cu_seqlens: torch.Tensor | None, batch: int, length: int) -> torch.Tensor:
+    """``[N, C]`` int64: 1 where checkpoint ``c`` of sequence ``n`` is kept (the sequence
+    has at least ``(c + 1) * checkpoint_every`` tokens and its index is non-negative),
+    else 0; computed on the device, no host sync."""
+    device = checkpoint_indices.device
+    if cu_seqlens is None:
+        lengths = torch.full((batch,), length, device=device, dtype=torch.int64)
+    else:
+        lengths = cu_seqlens[1:].to(torch.int64) - cu_seqlens[:-1].to(torch.int64)
+    ends = (torch.arange(checkpoint_indices.shape[1], device=device) + 1) * checkpoint_every
+    return ((ends[None, :] <= lengths[:, None]) & (checkpoint_indices >= 0)).to(torch.int64)
+
+
+def chunk_checkpoints(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state_pool: torch.Tensor,
+    checkpoint_indices: torch.Tensor,
+    *,
+    checkpoint_every: int,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    pool_scales: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunked GDN or KDA prefill that writes each sequence's state after every
+    ``checkpoint_every`` tokens into the pool slots ``checkpoint_indices`` name.
+
+    The outputs and final state are those of :func:`kdn_compile.chunk_gdn` (scalar gates
+    ``g [B, T, Hv]``) or :func:`kdn_compile.chunk_kda` (per-key gates ``g [B, T, Hv, K]``)
+    over the same inputs, bit for bit on the same device. In place, slot
+    ``checkpoint_indices[n, c]`` receives the state of sequence ``n`` after its first
+    ``(c + 1) * checkpoint_every`` tokens, rounded to the pool's dtype as
+    :func:`kdn_compile.commit_states` rounds (float8: quantized with one scale per
+    ``[K, 64]`` tile into ``pool_scales``). Negative indices, and checkpoints past a
+    sequence's end, write nothing. Nothing synchronizes with the host: the call compiles
+    with ``fullgraph=True`` and replays in a CUDA graph. Inference only.
+
+    Resuming: a prompt whose first ``m = (c + 1) * checkpoint_every`` tokens are those of
+    sequence ``n`` runs its remaining tokens with ``initial_state`` the slot's state and
+    gets the outputs of those tokens and the final state of the whole prompt, bit for bit
+    with a float32 pool (the chunks start at the same tokens), within the pool's rounding
+    for bfloat16 and float8 pools.
+
+    Args:
+        q, k: ``[B, T, Hk, K]`` unit-norm keys; v: ``[B, T, Hv, V]``; g: natural-log
+            decays ``[B, T, Hv]`` (GDN) or ``[B, T, Hv, K]`` (KDA); beta: ``[B, T, Hv]``.
+        state_pool: ``[S, Hv, K, V]`` float32, bfloat16, float8_e4m3fn or float64
+            (float64 inputs), contiguous, key-first.
+        checkpoint_indices: ``[N, C]`` int32/int64 slots on ``q``'s device, ``N`` the
+            sequences (``B``, or ``len(cu_seqlens) - 1``); non-negative ones distinct and
+            ``< S`` (checked on the device).
+        checkpoint_every: tokens between checkpoints, a positive multiple of the chunk
+            size 64.
+        scale: output scale (default ``K ** -0.5``).
+        initial_state: ``[N, Hv, K, V]`` key-first, or None for zeros.
+        cu_seqlens: ``[N + 1]`` packed-sequence boundaries (``B == 1``), or None.
+        pool_scales: ``[S, Hv, ceil(V / 64)]`` float32 with a float8 pool, else None.
+
+    Returns:
+        ``(o, final_state)``: ``o [B, T, Hv, V]`` like ``v``; ``final_state [N, Hv, K, V]``
+        (float32; float64 for float64 inputs).
+
+    Raises:
+        ValueError, TypeError: naming the argument: inputs as :func:`kdn_compile.chunk_gdn`
+            refuses them, ``checkpoint_every`` not a positive multiple of 64,
+            ``checkpoint_indices`` not ``[N, C]`` int32/int64 on ``q``'s device, a pool as
+            :func:`kdn_compile.commit_states` refuses it.
+        RuntimeError: inputs that require grad while grad mode is on; on the CPU, bad
+            slot indices.
+
+    Source: the chunked recurrences of the GDN and KDA specifications
+    (:func:`kdn_compile.reference.checkpoints.chunk_checkpoints_reference`).
+    """
+    gate = "per_key" if isinstance(g, torch.Tensor) and g.dim() == 4 else "scalar"
+    check_delta_inputs(q, k, v, g, beta, initial_state=initial_state, cu_seqlens=cu_seqlens,
+                       gate=gate, chunk_size=CHUNK)
+    every = _check_every(checkpoint_every)
+    rows = num_sequences(q.shape[0], cu_seqlens)
+    count = _check_indices(checkpoint_indices, rows, q.device)
+    _check_inference(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state)
+    check_values("chunk_checkpoints", q=q, k=k, v=v, g=g, beta=beta)
+    check_no_tangents("chunk_checkpoints", q=q, k=k, v=v, g=g, beta=beta)
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    op = _ops.chunk_checkpoints if prefer_kernels(q.device.type) else (
+        _ops.chunk_checkpoints_reference)
+    if op is _ops.chunk_checkpoints and eager_cuda(q):
+        op = chunk_checkpoints_body  # the op's own body, without the dispatcher
+    o, final_state, states = op(q, k, v, g, beta, initial_state, cu_seqlens, scale, every,
+                                count)
+    kept = checkpoint_rows(checkpoint_indices, every, cu_seqlens, q.shape[0], q.shape[1])
+    commit_states(state_pool, checkpoint_indices.flatten(), states.flatten(0, 1)[:, None],
+                  kept.flatten(), pool_scales=pool_scales)
+    return o, final_state
