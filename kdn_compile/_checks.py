@@ -373,6 +373,8 @@ def check_slot_values(indices: torch.Tensor, slots: int, name: str = "state_indi
     CPU, both with :func:`slot_error` of ``name``, :data:`SLOT_ERROR` by default)."""
     if indices.device.type == "meta":
         return
+    if hasattr(indices, "full_tensor"):  # a DTensor (replicated indices): its values
+        indices = indices.full_tensor()
     ordered = indices.sort().values
     repeated = (ordered[1:] == ordered[:-1]) & (ordered[1:] >= 0)
     torch._assert_async(~repeated.any() & (ordered[-1:] < slots).all(), slot_error(name))

@@ -7,8 +7,8 @@ packed or batched prompts and writes the state after every ``checkpoint_every`` 
 each sequence into pool slots named per sequence. A later prompt that starts with the
 same ``m`` tokens copies that slot into its own and prefills only the rest
 (``initial_state``), with the outputs and final state of the whole prompt: bit for bit
-with a float32 pool when ``m`` is a multiple of the chunk size (the chunks then start at
-the same tokens), within the pool's rounding otherwise.
+on CUDA with a float32 pool (``m`` is a multiple of the chunk size, so the chunks start at
+the same tokens), within the pool's rounding for bfloat16 and float8 pools.
 """
 
 from __future__ import annotations
@@ -18,14 +18,17 @@ import torch
 import kdn_compile.ops  # noqa: F401  (registers torch.ops.kdn)
 from kdn_compile._backend import prefer_kernels
 from kdn_compile._checks import (
-    check_delta_inputs, check_no_tangents, dims, fail, num_sequences, shown, type_name,
+    check_delta_inputs, check_no_tangents, check_pool, check_slot_values, dims, fail,
+    num_sequences, shown, type_name,
 )
 from kdn_compile.debug import check_values
 from kdn_compile.ops._dispatch import eager_cuda
 from kdn_compile.ops.checkpoints import CHUNK, chunk_checkpoints_body
-from kdn_compile.serving import _check_inference, commit_states
+from kdn_compile.reference.fp8 import quantize_state_fp8
+from kdn_compile.reference.pools import POOL_BLOCK_V
+from kdn_compile.serving import _POOL_DTYPES, _check_inference, write_slots
 
-__all__ = ["chunk_checkpoints", "checkpoint_rows"]
+__all__ = ["chunk_checkpoints"]
 
 _ops = torch.ops.kdn
 
@@ -55,18 +58,40 @@ def _check_indices(checkpoint_indices, rows: int, device) -> int:
     return checkpoint_indices.shape[1]
 
 
-def checkpoint_rows(checkpoint_indices: torch.Tensor, checkpoint_every: int,
-                    cu_seqlens: torch.Tensor | None, batch: int, length: int) -> torch.Tensor:
-    """``[N, C]`` int64: 1 where checkpoint ``c`` of sequence ``n`` is kept (the sequence
-    has at least ``(c + 1) * checkpoint_every`` tokens and its index is non-negative),
-    else 0; computed on the device, no host sync."""
-    device = checkpoint_indices.device
+def kept_slots(checkpoint_indices: torch.Tensor, checkpoint_every: int,
+                cu_seqlens: torch.Tensor | None, batch: int, length: int) -> torch.Tensor:
+    """``checkpoint_indices [N, C]`` flattened, -1 where checkpoint ``c`` of sequence ``n``
+    does not exist (the sequence has fewer than ``(c + 1) * checkpoint_every`` tokens);
+    computed on the device, no host sync."""
+    # from the arguments' own tensors (DTensors under tensor parallelism stay DTensors)
+    ends = torch.ones_like(checkpoint_indices, dtype=torch.int64).cumsum(1) * checkpoint_every
     if cu_seqlens is None:
-        lengths = torch.full((batch,), length, device=device, dtype=torch.int64)
+        lengths = torch.full_like(ends[:, 0], length)
     else:
         lengths = cu_seqlens[1:].to(torch.int64) - cu_seqlens[:-1].to(torch.int64)
-    ends = (torch.arange(checkpoint_indices.shape[1], device=device) + 1) * checkpoint_every
-    return ((ends[None, :] <= lengths[:, None]) & (checkpoint_indices >= 0)).to(torch.int64)
+    exists = ends <= lengths[:, None]
+    return torch.where(exists, checkpoint_indices, -1).flatten()
+
+
+def check_checkpoints(checkpoint_indices, checkpoint_every, rows: int, device) -> int:
+    """Validate the checkpoint arguments (see :func:`chunk_checkpoints`); returns ``C``."""
+    _check_every(checkpoint_every)
+    return _check_indices(checkpoint_indices, rows, device)
+
+
+def prefill_states(q, k, v, g, beta, *, checkpoint_every: int, checkpoints: int,
+                   scale: float | None, initial_state, cu_seqlens):
+    """The prefill of :func:`chunk_checkpoints` without the pool write, for arguments
+    already checked: ``(o, final_state, states [N * C, Hv, K, V])`` (the slots:
+    :func:`kept_slots`)."""
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    op = _ops.chunk_checkpoints if prefer_kernels(q.device.type) else (
+        _ops.chunk_checkpoints_reference)
+    if op is _ops.chunk_checkpoints and eager_cuda(q):
+        op = chunk_checkpoints_body  # the op's own body, without the dispatcher
+    o, final_state, states = op(q, k, v, g, beta, initial_state, cu_seqlens, scale,
+                                checkpoint_every, checkpoints)
+    return o, final_state, states.flatten(0, 1)
 
 
 def chunk_checkpoints(
@@ -91,9 +116,9 @@ def chunk_checkpoints(
     ``g [B, T, Hv]``) or :func:`kdn_compile.chunk_kda` (per-key gates ``g [B, T, Hv, K]``)
     over the same inputs, bit for bit on the same device. In place, slot
     ``checkpoint_indices[n, c]`` receives the state of sequence ``n`` after its first
-    ``(c + 1) * checkpoint_every`` tokens, rounded to the pool's dtype as
-    :func:`kdn_compile.commit_states` rounds (float8: quantized with one scale per
-    ``[K, 64]`` tile into ``pool_scales``). Negative indices, and checkpoints past a
+    ``(c + 1) * checkpoint_every`` tokens, rounded to the pool's dtype (float8: quantized
+    with one scale per ``[K, 64]`` tile into ``pool_scales``, as the decode kernels
+    quantize). Negative indices, and checkpoints past a
     sequence's end, write nothing. Nothing synchronizes with the host: the call compiles
     with ``fullgraph=True`` and replays in a CUDA graph. Inference only.
 
@@ -109,8 +134,8 @@ def chunk_checkpoints(
         state_pool: ``[S, Hv, K, V]`` float32, bfloat16, float8_e4m3fn or float64
             (float64 inputs), contiguous, key-first.
         checkpoint_indices: ``[N, C]`` int32/int64 slots on ``q``'s device, ``N`` the
-            sequences (``B``, or ``len(cu_seqlens) - 1``); non-negative ones distinct and
-            ``< S`` (checked on the device).
+            sequences (``B``, or ``len(cu_seqlens) - 1``); those of kept checkpoints
+            distinct and ``< S`` (checked on the device).
         checkpoint_every: tokens between checkpoints, a positive multiple of the chunk
             size 64.
         scale: output scale (default ``K ** -0.5``).
@@ -125,8 +150,9 @@ def chunk_checkpoints(
     Raises:
         ValueError, TypeError: naming the argument: inputs as :func:`kdn_compile.chunk_gdn`
             refuses them, ``checkpoint_every`` not a positive multiple of 64,
-            ``checkpoint_indices`` not ``[N, C]`` int32/int64 on ``q``'s device, a pool as
-            :func:`kdn_compile.commit_states` refuses it.
+            ``checkpoint_indices`` not ``[N, C]`` int32/int64 on ``q``'s device,
+            ``state_pool`` not ``[S, Hv, K, V]`` of those dtypes on ``q``'s device and
+            contiguous, ``pool_scales`` missing for a float8 pool (or given for another).
         RuntimeError: inputs that require grad while grad mode is on; on the CPU, bad
             slot indices.
 
@@ -136,20 +162,34 @@ def chunk_checkpoints(
     gate = "per_key" if isinstance(g, torch.Tensor) and g.dim() == 4 else "scalar"
     check_delta_inputs(q, k, v, g, beta, initial_state=initial_state, cu_seqlens=cu_seqlens,
                        gate=gate, chunk_size=CHUNK)
-    every = _check_every(checkpoint_every)
-    rows = num_sequences(q.shape[0], cu_seqlens)
-    count = _check_indices(checkpoint_indices, rows, q.device)
-    _check_inference(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state)
+    check_checkpoints(checkpoint_indices, checkpoint_every, num_sequences(q.shape[0], cu_seqlens),
+                      q.device)
+    hv, dk, dv = v.shape[2], k.shape[3], v.shape[3]
+    dtypes = (torch.float64,) if q.dtype == torch.float64 else _POOL_DTYPES
+    slots = check_pool("state_pool", state_pool, "[S, Hv, K, V]", (hv, dk, dv), dtypes,
+                       q.device)
+    float8 = state_pool.dtype == torch.float8_e4m3fn
+    if float8 != (pool_scales is not None):
+        fail(ValueError, "pool_scales go with a float8_e4m3fn state_pool (and it needs them), "
+                         f"got a {state_pool.dtype} pool and pool_scales "
+                         f"{'given' if pool_scales is not None else 'None'}")
+    if float8:
+        check_pool("pool_scales", pool_scales, "[S, Hv, ceil(V / 64)]",
+                   (hv, -(-dv // POOL_BLOCK_V)), (torch.float32,), q.device, slots=slots,
+                   beside="state_pool")
+    _check_inference(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state,
+                     state_pool=state_pool)
     check_values("chunk_checkpoints", q=q, k=k, v=v, g=g, beta=beta)
     check_no_tangents("chunk_checkpoints", q=q, k=k, v=v, g=g, beta=beta)
-    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    op = _ops.chunk_checkpoints if prefer_kernels(q.device.type) else (
-        _ops.chunk_checkpoints_reference)
-    if op is _ops.chunk_checkpoints and eager_cuda(q):
-        op = chunk_checkpoints_body  # the op's own body, without the dispatcher
-    o, final_state, states = op(q, k, v, g, beta, initial_state, cu_seqlens, scale, every,
-                                count)
-    kept = checkpoint_rows(checkpoint_indices, every, cu_seqlens, q.shape[0], q.shape[1])
-    commit_states(state_pool, checkpoint_indices.flatten(), states.flatten(0, 1)[:, None],
-                  kept.flatten(), pool_scales=pool_scales)
+    kept = kept_slots(checkpoint_indices, checkpoint_every, cu_seqlens, q.shape[0], q.shape[1])
+    check_slot_values(kept, slots, name="checkpoint_indices")
+    o, final_state, states = prefill_states(
+        q, k, v, g, beta, checkpoint_every=checkpoint_every,
+        checkpoints=checkpoint_indices.shape[1], scale=scale, initial_state=initial_state,
+        cu_seqlens=cu_seqlens)
+    with torch.no_grad():
+        if float8:  # quantized as the decode kernels quantize, one scale per [K, 64] tile
+            states, scales = quantize_state_fp8(states.float(), POOL_BLOCK_V)
+            write_slots(pool_scales, kept, scales)
+        write_slots(state_pool, kept, states)
     return o, final_state

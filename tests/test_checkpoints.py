@@ -172,3 +172,100 @@ def test_repeated_slots_fail_on_the_device():
         kdn_compile.chunk_checkpoints(*x.values(), torch.zeros(S, HV, K, V), slots,
                                       checkpoint_every=EVERY, initial_state=h0,
                                       cu_seqlens=torch.tensor(CU))
+
+
+# -- the layers' step --------------------------------------------------------------------
+
+D = 24
+
+
+def _layer(name, dtype=torch.float64):
+    from kdn_compile.layers import DiagKDN, GatedDeltaNet, KimiDeltaAttention
+
+    torch.manual_seed(0)
+    make = {"gdn": lambda: GatedDeltaNet(D, 2, 8, num_v_heads=4, head_v_dim=6),
+            "kda": lambda: KimiDeltaAttention(D, 2, 8, head_v_dim=6),
+            "kdn": lambda: DiagKDN(D, 2, 8, head_v_dim=6)}[name]
+    return make().to(dtype)
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float64, torch.bfloat16], ids=["f64", "bf16"])
+@pytest.mark.parametrize("name", ["gdn", "kda"])
+def test_layer_step_keeps_checkpoints_that_resume_the_prompt(name, state_dtype, seed):
+    print(f"seed {seed}")
+    layer = _layer(name)
+    x = torch.randn(1, CU[-1], D, generator=torch.Generator().manual_seed(seed),
+                    dtype=torch.float64)
+    cu = torch.tensor(CU)
+    with torch.no_grad():
+        cache = layer.allocate_cache(S, state_dtype=state_dtype)
+        plain = {n: p.clone() for n, p in cache.items()}
+        own = torch.tensor([11, 12, -1, 13])  # sequence 2 is a padding row
+        y = layer.step(x, cache, own, cu, checkpoint_indices=torch.tensor(SLOTS),
+                       checkpoint_every=EVERY)
+        y_plain = layer.step(x, plain, own, cu)
+        assert torch.equal(y, y_plain)
+        for n, p in cache.items():  # the sequences' own slots as without checkpoints
+            assert torch.equal(p[[11, 12, 13]], plain[n][[11, 12, 13]]), n
+        # kept: sequence 0 after 64 tokens (slot 0), sequence 3 after 64 and 128 (8, 9)
+        for slot in set(range(11)) - {0, 8, 9}:
+            for n, p in cache.items():
+                assert torch.equal(p[slot], plain[n][slot]), (n, slot)
+        # sequence 3 resumed from slot 9 in slot 10: the rest of its prompt
+        layer.copy_slots(cache, torch.tensor([9]), torch.tensor([10]))
+        a = CU[3] + 2 * EVERY
+        y_rest = layer.step(x[:, a:CU[4]], cache, torch.tensor([10]))
+    tol = 1e-12 if state_dtype == torch.float64 else 2e-2
+    assert_close(y_rest, y[:, a:CU[4]], tol, "resumed outputs")
+    for n, p in cache.items():
+        assert_close(p[10].double(), p[13].double(), tol, f"resumed {n}")
+
+
+def test_layers_that_keep_no_checkpoints_say_so():
+    from kdn_compile.layers import GatedDeltaNet
+
+    x = torch.randn(1, 64, D, dtype=torch.float64)
+    quantized = GatedDeltaNet(D, 2, 8, num_v_heads=4, head_v_dim=6, state_qdq=True).double()
+    for layer in (_layer("kdn"), quantized):
+        cache = layer.allocate_cache(4)
+        with pytest.raises(NotImplementedError, match="keeps no prefix-cache checkpoints"):
+            layer.step(x, cache, torch.tensor([0]), checkpoint_indices=torch.tensor([[1]]),
+                       checkpoint_every=64)
+
+
+@pytest.mark.parametrize("change,error,match", [
+    (dict(checkpoint_every=None), ValueError, "go together"),
+    (dict(checkpoint_indices=None), ValueError, "go together"),
+    (dict(checkpoint_every=32), ValueError, "checkpoint_every must be a positive multiple"),
+    (dict(checkpoint_indices=torch.tensor([[0, 1]])), ValueError, "N = 2 sequences"),
+])
+def test_layer_checkpoint_arguments_are_checked(change, error, match):
+    layer = _layer("gdn")
+    cache = layer.allocate_cache(6)
+    args = dict(checkpoint_indices=torch.tensor([[2], [3]]), checkpoint_every=64)
+    args.update(change)
+    with pytest.raises(error, match=match):
+        layer.step(torch.zeros(2, 64, D, dtype=torch.float64), cache, torch.tensor([0, 1]),
+                   **args)
+
+
+def test_a_checkpoint_slot_may_not_be_a_sequence_slot():
+    layer = _layer("gdn")
+    cache = layer.allocate_cache(6)
+    with pytest.raises(RuntimeError, match="checkpoint_indices must be < the pool's slots"):
+        layer.step(torch.zeros(2, 64, D, dtype=torch.float64), cache, torch.tensor([0, 1]),
+                   checkpoint_indices=torch.tensor([[2], [0]]), checkpoint_every=64)
+
+
+def test_compiled_layer_step_with_checkpoints_equals_eager(seed):
+    layer = _layer("kda", torch.float32)
+    x = torch.randn(1, CU[-1], D, generator=torch.Generator().manual_seed(seed))
+    cu, own, slots = torch.tensor(CU), torch.tensor([11, 12, 13, 10]), torch.tensor(SLOTS)
+    step = torch.compile(layer.step, fullgraph=True, dynamic=True)
+    with torch.no_grad():
+        eager, compiled = layer.allocate_cache(S), layer.allocate_cache(S)
+        y = layer.step(x, eager, own, cu, checkpoint_indices=slots, checkpoint_every=EVERY)
+        y_c = step(x, compiled, own, cu, checkpoint_indices=slots, checkpoint_every=EVERY)
+    assert_close(y_c, y, 1e-5, "outputs")
+    for n in eager:
+        assert_close(compiled[n], eager[n], 1e-5, n)

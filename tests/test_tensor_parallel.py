@@ -125,6 +125,22 @@ def _decode_cases(mesh, errors):
     errors["diag_kdn_decode: o"] = rel_error(_full(found), o)
     for pool in ("memory_pool", "precision_pool"):
         errors[f"diag_kdn_decode: {pool}"] = rel_error(_full(sharded[pool]), plain[pool])
+    # a prefill keeping prefix-cache checkpoints in the pool's own head shards
+    from kdn_compile import chunk_checkpoints
+
+    z = delta_inputs(B=1, T=200, Hk=2, Hv=4, K=4, V=4, dtype=torch.float32, N=2)
+    z["state_pool"] = torch.zeros(5, 4, 4, 4)
+    z["checkpoint_indices"] = torch.tensor([[1, 2], [3, -1]])
+    z["cu_seqlens"] = torch.tensor([0, 70, 200])
+    plain = dict(z, state_pool=z["state_pool"].clone())
+    sharded = _shard(z, mesh, replicated=("cu_seqlens", "checkpoint_indices"))
+    with torch.no_grad():
+        o, final = chunk_checkpoints(**plain, checkpoint_every=64)
+        o_tp, final_tp = chunk_checkpoints(**sharded, checkpoint_every=64)
+    errors["chunk_checkpoints: o"] = rel_error(_full(o_tp), o)
+    errors["chunk_checkpoints: final state"] = rel_error(_full(final_tp), final)
+    errors["chunk_checkpoints: pool"] = rel_error(_full(sharded["state_pool"]),
+                                                  plain["state_pool"])
 
 
 def _refusals(mesh):

@@ -24,6 +24,7 @@ from kdn_compile._checks import type_name
 from kdn_compile.layers._state import LayerCache
 from kdn_compile.reference.fp8 import dequantize_state_fp8, quantize_state_fp8
 from kdn_compile.reference.pools import POOL_BLOCK_V, gather_slots
+from kdn_compile.checkpoints import check_checkpoints, kept_slots
 from kdn_compile.serving import MAX_DECODE_TOKENS, write_slots
 
 FLOAT8 = torch.float8_e4m3fn
@@ -193,7 +194,9 @@ class SlotCache:
                 write_slots(cache[name], indices, row.expand(indices.shape[0], *row.shape))
 
     def step(self, x: torch.Tensor, cache: dict, state_indices: torch.Tensor,
-             cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+             cu_seqlens: torch.Tensor | None = None, *,
+             checkpoint_indices: torch.Tensor | None = None,
+             checkpoint_every: int | None = None) -> torch.Tensor:
         """Advance the slots ``state_indices`` of ``cache`` by the tokens of ``x``, in place.
 
         Row ``b`` of ``x`` (or packed sequence ``b`` with ``cu_seqlens``) continues the
@@ -208,6 +211,18 @@ class SlotCache:
         and decoding token by token equals one ``forward`` over the whole sequence. It
         runs without autograd (``y`` carries no gradient).
 
+        Prefix-cache checkpoints (GatedDeltaNet and KimiDeltaAttention): with
+        ``checkpoint_indices [N, C]`` and ``checkpoint_every`` (a multiple of 64), slot
+        ``checkpoint_indices[n, c]`` also receives, in every pool, what sequence ``n``'s
+        own slot would hold after its first ``(c + 1) * checkpoint_every`` tokens of this
+        step (recurrent state and convolution window); checkpoints past a sequence's
+        end, of padding rows and with a negative index are not written
+        (:func:`kdn_compile.chunk_checkpoints`). A prompt that starts with those tokens
+        copies the slot into its own (:meth:`copy_slots`) and steps only the rest, with
+        the outputs and final slot of stepping the whole prompt up to rounding (the
+        projections of fewer tokens may round differently; the recurrence itself resumes
+        bit for bit on CUDA from a float32 pool, see :func:`kdn_compile.chunk_checkpoints`).
+
         Args:
             x: ``[B, T, D]`` activations in the parameters' dtype (checked outside
                 ``torch.autocast``, which casts the projections' operands).
@@ -216,6 +231,10 @@ class SlotCache:
                 the packed sequences); non-negative ones distinct and ``< S`` (checked
                 on the device without a host sync); negative: a padding row.
             cu_seqlens: optional ``[N + 1]`` boundaries of packed prompts (``B == 1``).
+            checkpoint_indices: optional ``[N, C]`` int32/int64 slots on ``x``'s device
+                (those written distinct, ``< S`` and not in ``state_indices``: checked on
+                the device), with ``checkpoint_every``.
+            checkpoint_every: tokens between checkpoints, a positive multiple of 64.
 
         Returns:
             ``y [B, T, D]`` in ``x``'s dtype; zeros on the tokens of padding rows, whose
@@ -229,7 +248,11 @@ class SlotCache:
                 allocated by a layer of another type or sizes (a KimiDeltaAttention
                 cache given to a GatedDeltaNet, though its pools have the same shapes);
                 ``state_indices``
-                of the wrong dtype, shape or device; ``cu_seqlens`` as in ``forward``.
+                of the wrong dtype, shape or device; ``cu_seqlens`` as in ``forward``;
+                ``checkpoint_indices`` without ``checkpoint_every`` or the other way
+                round, or either as :func:`kdn_compile.chunk_checkpoints` refuses it.
+            NotImplementedError: checkpoints for a layer that keeps none (DiagKDN, or a
+                GatedDeltaNet with ``state_qdq`` or ``w_quantizer``).
         """
         check_tensor("x", x, floating=False)
         if x.dim() != 3:
@@ -245,9 +268,77 @@ class SlotCache:
         # device runs ahead of the host); elsewhere check them before any pool is written.
         if not decode or not prefer_kernels(x.device.type):
             check_slot_values(state_indices, slots)
+        kept = self._checkpoint_slots(x, state_indices, cu_seqlens, slots, checkpoint_indices,
+                                      checkpoint_every)
         with torch.no_grad():  # serving: the decode ops have no autograd
-            y = self.advance(x, cache, state_indices, cu_seqlens, decode)
+            if kept is None or decode:  # a decode step holds no checkpoint (T < 64)
+                y = self.advance(x, cache, state_indices, cu_seqlens, decode)
+            else:
+                y = self.advance(x, cache, state_indices, cu_seqlens, decode,
+                                 checkpoints=(kept, checkpoint_every,
+                                              checkpoint_indices.shape[1]))
         return torch.where(padding_mask(state_indices, x, cu_seqlens), y, 0.0)
+
+    def _checkpoint_slots(self, x, state_indices, cu_seqlens, slots, checkpoint_indices,
+                          checkpoint_every):
+        """``[N * C]`` slots of the kept checkpoints (-1 elsewhere), checked; None without
+        checkpoints."""
+        if checkpoint_indices is None and checkpoint_every is None:
+            return None
+        if checkpoint_indices is None or checkpoint_every is None:
+            fail(ValueError, "checkpoint_indices and checkpoint_every go together, got "
+                             f"checkpoint_indices {type_name(checkpoint_indices)} and "
+                             f"checkpoint_every {type_name(checkpoint_every)}")
+        if not self._keeps_checkpoints:
+            raise NotImplementedError(
+                f"{type(self).__name__}.step keeps no prefix-cache checkpoints "
+                "(GatedDeltaNet and KimiDeltaAttention without state_qdq or w_quantizer do)")
+        rows = num_sequences(x.shape[0], cu_seqlens)
+        check_checkpoints(checkpoint_indices, checkpoint_every, rows, x.device)
+        named = torch.where(state_indices[:, None] >= 0, checkpoint_indices, -1)
+        kept = kept_slots(named, checkpoint_every, cu_seqlens, x.shape[0], x.shape[1])
+        # a checkpoint slot is none of the sequences' own (those are written too)
+        check_slot_values(torch.cat((state_indices.to(kept.dtype), kept)), slots,
+                          name="checkpoint_indices")
+        return kept
+
+    @property
+    def _keeps_checkpoints(self) -> bool:
+        """Whether :meth:`advance` takes ``checkpoints``."""
+        return False
+
+    def copy_slots(self, cache: dict, source: torch.Tensor, destination: torch.Tensor) -> None:
+        """Copy slots within ``cache``, in place: every pool's row ``source[i]`` into row
+        ``destination[i]`` (a prefix-cache hit: a checkpoint into a sequence's slot).
+
+        Args:
+            cache: the dict of :meth:`allocate_cache`.
+            source, destination: ``[M]`` int32/int64 slots on the cache's device;
+                ``destination`` distinct and ``< S``, ``source < S`` (checked on the device);
+                pairs with a negative entry are skipped.
+
+        Raises:
+            TypeError, ValueError: ``cache`` not this layer's, ``source`` or
+                ``destination`` of the wrong dtype, shape or device.
+        """
+        device = next(iter(cache.values())).device if isinstance(cache, dict) and cache else None
+        count = self._check_cache(cache, device)
+        if not isinstance(source, torch.Tensor) or source.dim() != 1:
+            fail(TypeError, f"source must be a 1-d int tensor, got {type_name(source)}"
+                            + (f" of shape {dims(source.shape)}"
+                               if isinstance(source, torch.Tensor) else ""))
+        check_slot_indices(source, source.shape[0], count, device, name="source",
+                           beside="the cache")
+        check_slot_indices(destination, source.shape[0], count, device, name="destination",
+                           beside="the cache")
+        skip = (source < 0) | (destination < 0)
+        destination = torch.where(skip, -1, destination)
+        check_slot_values(destination, count, name="destination")
+        torch._assert_async((torch.where(skip, -1, source) < count).all(),
+                            "source must be < the pool's slots S")
+        with torch.no_grad():
+            for pool in cache.values():
+                write_slots(pool, destination, gather_slots(pool, torch.where(skip, 0, source)))
 
     # -- speculative decoding: a layer defines _value_heads, _draft_layout, _verify_mix
     # and _commit_mix
@@ -435,11 +526,41 @@ class SlotCache:
         """The states of each row's accepted tokens from ``drafts`` into its slots."""
         raise NotImplementedError
 
-    def _conv_step(self, x, cache, indices, cu_seqlens, value_heads):
-        """q, k, v through the convolution from the named windows; the new windows stored."""
+    def _conv_step(self, x, cache, indices, cu_seqlens, value_heads, checkpoints=None):
+        """q, k, v through the convolution from the named windows; the new windows stored,
+        and with ``checkpoints`` (``(kept slots [N * C], every, C)``) the window after
+        each kept checkpoint's tokens into its slot."""
         from kdn_compile.layers._common import convolved_qkv
 
         windows = gather_slots(cache["conv"], indices)
-        q, k, v, windows = convolved_qkv(self, x, windows, cu_seqlens, value_heads)
+        q, k, v, windows, *inputs = convolved_qkv(self, x, windows, cu_seqlens, value_heads,
+                                                  with_inputs=checkpoints is not None)
         write_slots(cache["conv"], indices, windows)
+        if checkpoints is not None:
+            kept, every, count = checkpoints
+            write_slots(cache["conv"], kept,
+                        checkpoint_windows(inputs[0], cu_seqlens, every, count,
+                                           cache["conv"].shape[1]))
         return q, k, v
+
+
+def checkpoint_windows(inputs: torch.Tensor, cu_seqlens, every: int, count: int,
+                       width: int) -> torch.Tensor:
+    """``[N * C, width, channels]``: the convolution inputs ``inputs [B, T, channels]`` of
+    the ``width`` tokens before token ``(c + 1) * every`` of each sequence (the window a
+    slot holds after those tokens; rows past a sequence's end are clamped and never
+    written, see :func:`kdn_compile.checkpoints.kept_slots`)."""
+    batch, length = inputs.shape[0], inputs.shape[1]
+    device = inputs.device
+    if length == 0:  # no token: no checkpoint is kept
+        rows = batch if cu_seqlens is None else cu_seqlens.shape[0] - 1
+        return inputs.new_zeros((rows * count, width, inputs.shape[2]))
+    ends = (torch.arange(count, device=device) + 1) * every  # [C]
+    offsets = torch.arange(width, device=device) - width  # [width]
+    if cu_seqlens is None:
+        rows = torch.arange(batch, device=device)[:, None, None].expand(batch, count, width)
+        times = (ends[:, None] + offsets[None, :]).clamp(0, max(length - 1, 0))
+        return inputs[rows, times.expand(batch, count, width)].flatten(0, 1)
+    starts = cu_seqlens[:-1].to(torch.int64)
+    times = (starts[:, None, None] + ends[None, :, None] + offsets[None, None, :])
+    return inputs[0, times.clamp(0, max(length - 1, 0))].flatten(0, 1)

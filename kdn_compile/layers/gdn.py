@@ -10,6 +10,7 @@ from torch import nn
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from kdn_compile.api import chunk_gdn, chunk_kda, recurrent_delta_rule
+from kdn_compile.checkpoints import prefill_states
 from kdn_compile._checks import check_callable, check_flag, check_state, fail, num_sequences
 from kdn_compile.layers._serving import SlotCache, load_state, store_state
 from kdn_compile.layers._state import LayerState, signature, state_entries
@@ -241,8 +242,12 @@ class GatedDeltaNet(SlotCache, nn.Module):
             layout["recurrent_scales"] = ((self.num_v_heads, tiles), torch.float32)
         return layout
 
-    def advance(self, x, cache, indices, cu_seqlens, decode):
-        q, k, v = self._conv_step(x, cache, indices, cu_seqlens, self.num_v_heads)
+    @property
+    def _keeps_checkpoints(self) -> bool:
+        return not self.state_qdq and self.w_quantizer is None
+
+    def advance(self, x, cache, indices, cu_seqlens, decode, checkpoints=None):
+        q, k, v = self._conv_step(x, cache, indices, cu_seqlens, self.num_v_heads, checkpoints)
         q, k, g, beta = self.mixer_inputs(x, q, k)
         if decode:
             o = delta_rule_decode(
@@ -251,7 +256,14 @@ class GatedDeltaNet(SlotCache, nn.Module):
             )
         else:
             initial = load_state(cache, "recurrent", indices, work_dtype(x.dtype))
-            o, final = self.mix(q, k, v, g, beta, initial, cu_seqlens)
+            if checkpoints is None:
+                o, final = self.mix(q, k, v, g, beta, initial, cu_seqlens)
+            else:  # the chunked op of mix, keeping the states at the checkpoints
+                kept, every, count = checkpoints
+                o, final, states = prefill_states(
+                    q, k, v, g, beta, checkpoint_every=every, checkpoints=count, scale=None,
+                    initial_state=initial, cu_seqlens=cu_seqlens)
+                store_state(cache, "recurrent", kept, states)
             store_state(cache, "recurrent", indices, final)
         return self.output(o, x)
 

@@ -262,6 +262,8 @@ def _register_serving():
     for op in (_ops.diag_kdn_decode, _ops.diag_kdn_decode_reference):
         _rule(op.default, pools, [2], mutated=("memory_pool", "precision_pool",
                                                "intermediate_memory", "intermediate_precision"))
+    for op in (_ops.chunk_checkpoints, _ops.chunk_checkpoints_reference):
+        _rule(op.default, DELTA, [2, 1, 2])  # o, final state, states [N, C, Hv, K, V]
     for op in (_ops.scatter_slots, _ops.scatter_slots_reference):
         register_sharding(op.default)(_scatter_rule(op.default))
     for op in (_ops.state_fp8_qdq, _ops.state_fp8_qdq_reference,
