@@ -26,7 +26,7 @@ from kdn_compile.ops._dispatch import eager_cuda
 from kdn_compile.ops.checkpoints import CHUNK, chunk_checkpoints_body
 from kdn_compile.reference.fp8 import quantize_state_fp8
 from kdn_compile.reference.pools import POOL_BLOCK_V
-from kdn_compile.serving import _POOL_DTYPES, _check_inference, write_slots
+from kdn_compile.serving import _POOL_DTYPES, _check_inference, check_pool_scales, write_slots
 
 __all__ = ["chunk_checkpoints"]
 
@@ -168,15 +168,8 @@ def chunk_checkpoints(
     dtypes = (torch.float64,) if q.dtype == torch.float64 else _POOL_DTYPES
     slots = check_pool("state_pool", state_pool, "[S, Hv, K, V]", (hv, dk, dv), dtypes,
                        q.device)
-    float8 = state_pool.dtype == torch.float8_e4m3fn
-    if float8 != (pool_scales is not None):
-        fail(ValueError, "pool_scales go with a float8_e4m3fn state_pool (and it needs them), "
-                         f"got a {state_pool.dtype} pool and pool_scales "
-                         f"{'given' if pool_scales is not None else 'None'}")
-    if float8:
-        check_pool("pool_scales", pool_scales, "[S, Hv, ceil(V / 64)]",
-                   (hv, -(-dv // POOL_BLOCK_V)), (torch.float32,), q.device, slots=slots,
-                   beside="state_pool")
+    float8 = check_pool_scales(state_pool, pool_scales, False, slots, q.device,
+                               beside="state_pool")
     _check_inference(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state,
                      state_pool=state_pool)
     check_values("chunk_checkpoints", q=q, k=k, v=v, g=g, beta=beta)

@@ -237,16 +237,8 @@ def commit_states(
         "intermediate_states", intermediate_states, "state_pool", state_pool,
         "[Hv, V, K]" if state_v_first else "[Hv, K, V]", _POOL_DTYPES)
     device = intermediate_states.device
-    float8 = state_pool.dtype == torch.float8_e4m3fn
-    if float8 != (pool_scales is not None):
-        fail(ValueError, "pool_scales go with a float8_e4m3fn state_pool (and it needs them), "
-                         f"got a {state_pool.dtype} pool and pool_scales "
-                         f"{'given' if pool_scales is not None else 'None'}")
-    if float8:
-        hv, dv = state_pool.shape[1], state_pool.shape[2 if state_v_first else 3]
-        check_pool("pool_scales", pool_scales, "[S, Hv, ceil(V / 64)]",
-                   (hv, -(-dv // POOL_BLOCK_V)), (torch.float32,), device, slots=slots,
-                   beside="intermediate_states")
+    float8 = check_pool_scales(state_pool, pool_scales, state_v_first, slots, device,
+                               beside="intermediate_states")
     check_slot_indices(state_indices, b, slots, device, beside="intermediate_states")
     check_slot_indices(accepted, b, slots, device, name="accepted",
                        beside="intermediate_states")
@@ -279,6 +271,24 @@ def _check_intermediates(name: str, intermediate, pool_name: str, pool, state: s
     check_pool(name, intermediate, "[B, T, " + state[1:], (t,) + tuple(pool.shape[1:]), allowed,
                intermediate.device, slots=b, beside=name, written=False)
     return b, t, slots
+
+
+def check_pool_scales(state_pool, pool_scales, state_v_first: bool, slots, device, *,
+                      beside: str) -> bool:
+    """``pool_scales`` given exactly with a float8 ``state_pool`` (``[S, Hv, ceil(V /
+    64)]`` float32 on ``device``, the device of the argument ``beside``); returns whether
+    the pool is float8."""
+    float8 = state_pool.dtype == torch.float8_e4m3fn
+    if float8 != (pool_scales is not None):
+        fail(ValueError, "pool_scales go with a float8_e4m3fn state_pool (and it needs them), "
+                         f"got a {state_pool.dtype} pool and pool_scales "
+                         f"{'given' if pool_scales is not None else 'None'}")
+    if float8:
+        hv, dv = state_pool.shape[1], state_pool.shape[2 if state_v_first else 3]
+        check_pool("pool_scales", pool_scales, "[S, Hv, ceil(V / 64)]",
+                   (hv, -(-dv // POOL_BLOCK_V)), (torch.float32,), device, slots=slots,
+                   beside=beside)
+    return float8
 
 
 def _accepted_rows(state_indices, slots: int, intermediate: torch.Tensor, accepted):
