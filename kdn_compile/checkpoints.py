@@ -17,6 +17,7 @@ import torch
 
 import kdn_compile.ops  # noqa: F401  (registers torch.ops.kdn)
 from kdn_compile._backend import prefer_kernels
+from kdn_compile.api import _scale
 from kdn_compile._checks import (
     check_delta_inputs, check_no_tangents, check_pool, check_slot_values, dims, fail,
     num_sequences, shown, type_name,
@@ -36,9 +37,9 @@ _ops = torch.ops.kdn
 def _check_every(checkpoint_every) -> int:
     if isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, int):
         fail(TypeError, f"checkpoint_every must be an int, got {type_name(checkpoint_every)}")
-    if checkpoint_every < CHUNK or checkpoint_every % CHUNK:
+    if checkpoint_every < CHUNK or checkpoint_every % CHUNK or checkpoint_every >= 2**31:
         fail(ValueError, f"checkpoint_every must be a positive multiple of the chunk size "
-                         f"{CHUNK}, got {shown(checkpoint_every)}")
+                         f"{CHUNK} below 2**31, got {shown(checkpoint_every)}")
     return checkpoint_every
 
 
@@ -65,8 +66,8 @@ def kept_slots(checkpoint_indices: torch.Tensor, checkpoint_every: int,
     computed on the device, no host sync."""
     # from the arguments' own tensors (DTensors under tensor parallelism stay DTensors)
     ends = torch.ones_like(checkpoint_indices, dtype=torch.int64).cumsum(1) * checkpoint_every
-    if cu_seqlens is None:
-        lengths = torch.full_like(ends[:, 0], length)
+    if cu_seqlens is None:  # (from a sum: a C of 0 has no column to take the shape of)
+        lengths = torch.full_like(ends.sum(1), length)
     else:
         lengths = cu_seqlens[1:].to(torch.int64) - cu_seqlens[:-1].to(torch.int64)
     exists = ends <= lengths[:, None]
@@ -170,8 +171,9 @@ def chunk_checkpoints(
                        q.device)
     float8 = check_pool_scales(state_pool, pool_scales, False, slots, q.device,
                                beside="state_pool")
-    _check_inference(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state,
-                     state_pool=state_pool)
+    scale = _scale(scale, q)
+    _check_inference("prefills that keep checkpoints", q=q, k=k, v=v, g=g, beta=beta,
+                     initial_state=initial_state, state_pool=state_pool)
     check_values("chunk_checkpoints", q=q, k=k, v=v, g=g, beta=beta)
     check_no_tangents("chunk_checkpoints", q=q, k=k, v=v, g=g, beta=beta)
     kept = kept_slots(checkpoint_indices, checkpoint_every, cu_seqlens, q.shape[0], q.shape[1])

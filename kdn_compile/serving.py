@@ -54,14 +54,14 @@ def write_slots(pool: torch.Tensor, indices: torch.Tensor, rows: torch.Tensor) -
     op(pool, indices.contiguous(), rows.to(pool.dtype).contiguous())
 
 
-def _check_inference(**tensors) -> None:
-    """Decode steps have no autograd: refuse inputs that would need it, before any pool is
-    written (rather than an error at ``backward``)."""
+def _check_inference(what: str = "decode steps", **tensors) -> None:
+    """Decode steps (or ``what``) have no autograd: refuse inputs that would need it, before
+    any pool is written (rather than an error at ``backward``)."""
     if torch.is_grad_enabled():
         needing = [n for n, t in tensors.items() if t is not None and t.requires_grad]
         if needing:
             fail(RuntimeError,
-                 f"decode steps are inference only, but {', '.join(needing)} require grad: call "
+                 f"{what} are inference only, but {', '.join(needing)} require grad: call "
                  "under torch.no_grad() (or detach them); train with chunk_gdn / chunk_kda / "
                  "diag_kdn or recurrent_delta_rule")
 

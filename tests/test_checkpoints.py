@@ -137,6 +137,7 @@ def test_compiles_fullgraph_without_host_syncs(seed):
 @pytest.mark.parametrize("change,error,match", [
     (dict(checkpoint_every=100), ValueError, "checkpoint_every must be a positive multiple"),
     (dict(checkpoint_every=0), ValueError, "checkpoint_every must be a positive multiple"),
+    (dict(checkpoint_every=2**70), ValueError, "below 2\*\*31"),
     (dict(checkpoint_every=64.0), TypeError, "checkpoint_every must be an int"),
     (dict(checkpoint_indices=torch.zeros(3, 2, dtype=torch.int64)), ValueError,
      r"checkpoint_indices must be \[N, C\] with N = 4"),
@@ -252,7 +253,7 @@ def test_layer_checkpoint_arguments_are_checked(change, error, match):
 def test_a_checkpoint_slot_may_not_be_a_sequence_slot():
     layer = _layer("gdn")
     cache = layer.allocate_cache(6)
-    with pytest.raises(RuntimeError, match="checkpoint_indices must be < the pool's slots"):
+    with pytest.raises(RuntimeError, match=r"checkpoint_indices \(with state_indices\) must be <"):
         layer.step(torch.zeros(2, 64, D, dtype=torch.float64), cache, torch.tensor([0, 1]),
                    checkpoint_indices=torch.tensor([[2], [0]]), checkpoint_every=64)
 
@@ -269,3 +270,38 @@ def test_compiled_layer_step_with_checkpoints_equals_eager(seed):
     assert_close(y_c, y, 1e-5, "outputs")
     for n in eager:
         assert_close(compiled[n], eager[n], 1e-5, n)
+
+
+def test_no_checkpoint_columns_write_nothing():
+    x = delta_inputs(B=2, T=130, Hk=HK, Hv=HV, K=K, V=V, with_state=False, seed=3,
+                     dtype=torch.float32)
+    pool = torch.randn(S, HV, K, V)
+    before = pool.clone()
+    with torch.no_grad():
+        o, final = kdn_compile.chunk_checkpoints(*x.values(), pool,
+                                                 torch.zeros(2, 0, dtype=torch.int64),
+                                                 checkpoint_every=EVERY)
+        o_plain, final_plain = kdn_compile.chunk_gdn(*x.values())
+    assert torch.equal(o, o_plain) and torch.equal(final, final_plain)
+    assert torch.equal(pool, before)
+
+
+@pytest.mark.parametrize("scale,error", [(float("nan"), ValueError), (True, TypeError),
+                                         ("a", TypeError)])
+def test_scale_is_checked(scale, error):
+    x, h0 = _inputs(False, 0)
+    with pytest.raises(error, match="scale"), torch.no_grad():
+        kdn_compile.chunk_checkpoints(*x.values(), torch.zeros(S, HV, K, V),
+                                      torch.tensor(SLOTS), checkpoint_every=EVERY,
+                                      initial_state=h0, cu_seqlens=torch.tensor(CU),
+                                      scale=scale)
+
+
+def test_a_window_longer_than_the_checkpoint_spacing_is_refused():
+    from kdn_compile.layers import GatedDeltaNet
+
+    layer = GatedDeltaNet(D, 2, 8, num_v_heads=4, head_v_dim=6, conv_size=66).double()
+    cache = layer.allocate_cache(4)
+    with pytest.raises(ValueError, match="checkpoint_every must be at least the convolution"):
+        layer.step(torch.zeros(1, 128, D, dtype=torch.float64), cache, torch.tensor([0]),
+                   checkpoint_indices=torch.tensor([[1]]), checkpoint_every=64)

@@ -250,7 +250,8 @@ class SlotCache:
                 ``state_indices``
                 of the wrong dtype, shape or device; ``cu_seqlens`` as in ``forward``;
                 ``checkpoint_indices`` without ``checkpoint_every`` or the other way
-                round, or either as :func:`kdn_compile.chunk_checkpoints` refuses it.
+                round, either as :func:`kdn_compile.chunk_checkpoints` refuses it, or
+                ``checkpoint_every`` below the convolution's window ``conv_size - 1``.
             NotImplementedError: checkpoints for a layer that keeps none (DiagKDN, or a
                 GatedDeltaNet with ``state_qdq`` or ``w_quantizer``).
         """
@@ -295,11 +296,15 @@ class SlotCache:
                 "(GatedDeltaNet and KimiDeltaAttention without state_qdq or w_quantizer do)")
         rows = num_sequences(x.shape[0], cu_seqlens)
         check_checkpoints(checkpoint_indices, checkpoint_every, rows, x.device)
+        width = self.conv.kernel_size - 1  # the window must lie within this step's tokens
+        if width > checkpoint_every:
+            fail(ValueError, f"checkpoint_every must be at least the convolution's window "
+                             f"conv_size - 1 = {width}, got {checkpoint_every}")
         named = torch.where(state_indices[:, None] >= 0, checkpoint_indices, -1)
         kept = kept_slots(named, checkpoint_every, cu_seqlens, x.shape[0], x.shape[1])
         # a checkpoint slot is none of the sequences' own (those are written too)
         check_slot_values(torch.cat((state_indices.to(kept.dtype), kept)), slots,
-                          name="checkpoint_indices")
+                          name="checkpoint_indices (with state_indices)")
         return kept
 
     @property

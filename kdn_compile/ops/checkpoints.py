@@ -38,7 +38,8 @@ def chunk_checkpoints_reference_op(
     initial_state: Optional[Tensor], cu_seqlens: Optional[Tensor], scale: float,
     checkpoint_every: int, checkpoints: int,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """The exact reference (:func:`kdn_compile.reference.checkpoints.chunk_checkpoints_reference`)."""
+    """The exact reference
+    (:func:`kdn_compile.reference.checkpoints.chunk_checkpoints_reference`)."""
     out = chunk_checkpoints_reference(
         q, k, v, g, beta, checkpoint_every=checkpoint_every, checkpoints=checkpoints,
         chunk_size=CHUNK, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
