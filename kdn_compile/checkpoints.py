@@ -24,7 +24,9 @@ from kdn_compile._checks import (
 )
 from kdn_compile.debug import check_values
 from kdn_compile.ops._dispatch import eager_cuda
-from kdn_compile.ops.checkpoints import CHUNK, chunk_checkpoints_body
+from kdn_compile.ops.checkpoints import (
+    CHUNK, chunk_checkpoints_body, diag_kdn_checkpoints_body,
+)
 from kdn_compile.reference.fp8 import quantize_state_fp8
 from kdn_compile.reference.pools import POOL_BLOCK_V
 from kdn_compile.serving import _POOL_DTYPES, _check_inference, check_pool_scales, write_slots
@@ -93,6 +95,23 @@ def prefill_states(q, k, v, g, beta, *, checkpoint_every: int, checkpoints: int,
     o, final_state, states = op(q, k, v, g, beta, initial_state, cu_seqlens, scale,
                                 checkpoint_every, checkpoints)
     return o, final_state, states.flatten(0, 1)
+
+
+def diag_kdn_prefill_states(q, k, v, log_alpha, omega, r, memory, precision, *,
+                            checkpoint_every: int, checkpoints: int, scale: float,
+                            info_scale: float, cu_seqlens):
+    """Diag-KDN's prefill with its states at checkpoints, for arguments already checked:
+    ``(output, memory, precision, memories [N * C, H, K, V], precisions [N * C, H, K])``
+    (the slots: :func:`kept_slots`). Resuming from such a state continues the prompt
+    within rounding (the gain scan composes its chunks in another order)."""
+    op = _ops.diag_kdn_checkpoints if prefer_kernels(q.device.type) else (
+        _ops.diag_kdn_checkpoints_reference)
+    if op is _ops.diag_kdn_checkpoints and eager_cuda(q):
+        op = diag_kdn_checkpoints_body  # the op's own body, without the dispatcher
+    output, memory, precision, memories, precisions = op(
+        q, k, v, log_alpha, omega, r, memory, precision, cu_seqlens, scale, info_scale,
+        checkpoint_every, checkpoints)
+    return output, memory, precision, memories.flatten(0, 1), precisions.flatten(0, 1)
 
 
 def chunk_checkpoints(

@@ -34,7 +34,8 @@ from kdn_compile.lowering.kalman_gain_fwd import (
     _kalman_gain_fwd_kernel,
 )
 
-__all__ = ["kalman_gain_fwd", "kalman_gain_bwd", "kalman_gain_kernel_supports"]
+__all__ = ["kalman_gain_fwd", "kalman_gain_bwd", "kalman_gain_kernel_supports",
+           "precision_at_checkpoints"]
 
 # Tokens per chunk, walked by one warp with all K channels: chunk 32 is the fastest
 # (H200, K = 128, 8x4096x16: fwd 0.58 ms, fwd+bwd 1.3 ms; chunks 16 or 64, or two warps,
@@ -152,6 +153,31 @@ def kalman_gain_fwd(k, log_alpha, omega, r, precision, cu_seqlens=None, *, info_
     )
     wrap_triton(_kalman_gain_fwd_kernel)[(nc, heads)](*inputs, chunk_cov, gain, spans, **walk)
     return gain, final_precision, chunk_cov, final_cov
+
+
+def precision_at_checkpoints(chunk_cov, final_precision, k, cu_seqlens, every: int,
+                             count: int) -> torch.Tensor:
+    """``[N, count, H, K]`` float32: each sequence's precision after its first ``(c + 1) *
+    every`` tokens (``every`` a multiple of the scan's chunk), from :func:`kalman_gain_fwd`'s
+    ``chunk_cov`` (the covariance entering each chunk) and ``final_precision`` (a sequence
+    that ends there); zero past a sequence's end. Device ops only, no host sync."""
+    batch, length, heads, key_dim = k.shape
+    n = final_precision.shape[0]
+    cov = chunk_cov.view(-1, heads, key_dim)
+    if cu_seqlens is None:
+        starts = torch.arange(n, device=k.device) * triton.cdiv(length, CHUNK)
+        lengths = torch.full((n,), length, device=k.device)
+    else:
+        starts = chunk_offsets(cu_seqlens, CHUNK)[:-1].to(torch.int64)
+        lengths = cu_seqlens[1:].to(torch.int64) - cu_seqlens[:-1].to(torch.int64)
+    ends = (torch.arange(count, device=k.device) + 1) * every  # [C]
+    inside = ends[None, :] < lengths[:, None]  # [N, C]: entering a later chunk
+    at_end = ends[None, :] == lengths[:, None]
+    slot = (starts[:, None] + ends[None, :] // CHUNK).clamp(0, max(cov.shape[0] - 1, 0))
+    entering = 1.0 / cov[slot] if cov.shape[0] else final_precision.new_zeros(
+        (n, count, heads, key_dim))
+    found = torch.where(inside[..., None, None], entering, 0.0)
+    return torch.where(at_end[..., None, None], final_precision[:, None], found)
 
 
 def kalman_gain_bwd(

@@ -191,7 +191,7 @@ def _layer(name, dtype=torch.float64):
 
 
 @pytest.mark.parametrize("state_dtype", [torch.float64, torch.bfloat16], ids=["f64", "bf16"])
-@pytest.mark.parametrize("name", ["gdn", "kda"])
+@pytest.mark.parametrize("name", ["gdn", "kda", "kdn"])
 def test_layer_step_keeps_checkpoints_that_resume_the_prompt(name, state_dtype, seed):
     print(f"seed {seed}")
     layer = _layer(name)
@@ -217,21 +217,54 @@ def test_layer_step_keeps_checkpoints_that_resume_the_prompt(name, state_dtype, 
         a = CU[3] + 2 * EVERY
         y_rest = layer.step(x[:, a:CU[4]], cache, torch.tensor([10]))
     tol = 1e-12 if state_dtype == torch.float64 else 2e-2
+    if name == "kdn" and state_dtype == torch.bfloat16:
+        tol = 5e-2  # a bfloat16 memory pool; the precision pool stays float32
     assert_close(y_rest, y[:, a:CU[4]], tol, "resumed outputs")
     for n, p in cache.items():
         assert_close(p[10].double(), p[13].double(), tol, f"resumed {n}")
 
 
-def test_layers_that_keep_no_checkpoints_say_so():
+def test_quantized_layers_keep_no_checkpoints_and_say_so():
     from kdn_compile.layers import GatedDeltaNet
 
     x = torch.randn(1, 64, D, dtype=torch.float64)
-    quantized = GatedDeltaNet(D, 2, 8, num_v_heads=4, head_v_dim=6, state_qdq=True).double()
-    for layer in (_layer("kdn"), quantized):
-        cache = layer.allocate_cache(4)
-        with pytest.raises(NotImplementedError, match="keeps no prefix-cache checkpoints"):
-            layer.step(x, cache, torch.tensor([0]), checkpoint_indices=torch.tensor([[1]]),
-                       checkpoint_every=64)
+    layer = GatedDeltaNet(D, 2, 8, num_v_heads=4, head_v_dim=6, state_qdq=True).double()
+    cache = layer.allocate_cache(4)
+    with pytest.raises(NotImplementedError, match="keeps no prefix-cache checkpoints"):
+        layer.step(x, cache, torch.tensor([0]), checkpoint_indices=torch.tensor([[1]]),
+                   checkpoint_every=64)
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_diag_kdn_checkpoints_hold_each_prefix_state(backend, seed):
+    if backend == "triton" and not (interpreting() or torch.cuda.is_available()):
+        pytest.skip("the kernels need CUDA or TRITON_INTERPRET=1")
+    from _inputs import kdn_inputs
+    from kdn_compile.checkpoints import diag_kdn_prefill_states
+    from kdn_compile.reference import diag_kdn_reference
+
+    print(f"seed {seed}")
+    kd = kdn_inputs(B=1, T=CU[-1], H=2, K=16, V=16, dtype=torch.float32, N=4, seed=seed)
+    args = [kd[n] for n in ("q", "k", "v", "log_alpha", "omega", "r", "memory", "precision")]
+    cu = torch.tensor(CU)
+    with kdn_compile.use_backend(backend), torch.no_grad():
+        o, memory, precision, memories, precisions = diag_kdn_prefill_states(
+            *args, checkpoint_every=EVERY, checkpoints=3, scale=0.25, info_scale=0.8,
+            cu_seqlens=cu)
+        o_plain, memory_plain, precision_plain = kdn_compile.diag_kdn(
+            *args, scale=0.25, info_scale=0.8, cu_seqlens=cu)
+    assert torch.equal(o, o_plain) and torch.equal(memory, memory_plain)
+    assert torch.equal(precision, precision_plain)
+    memories, precisions = memories.view(4, 3, 2, 16, 16), precisions.view(4, 3, 2, 16)
+    for n, c in ((0, 0), (2, 0), (2, 1), (3, 0), (3, 1)):
+        m = (c + 1) * EVERY
+        head = [t[:, CU[n]:CU[n] + m].double() for t in args[:6]]
+        _, m64, p64 = diag_kdn_reference(*head, args[6][n:n + 1].double(),
+                                         args[7][n:n + 1].double(), scale=0.25, info_scale=0.8)
+        assert_close(memories[n, c], m64[0], 1e-5, f"memory {n}, {c}")
+        assert_close(precisions[n, c], p64[0], 1e-5, f"precision {n}, {c}")
+    for n, c in ((0, 1), (0, 2), (1, 0), (2, 2), (3, 2)):
+        assert not memories[n, c].any() and not precisions[n, c].any(), (n, c)
 
 
 @pytest.mark.parametrize("change,error,match", [

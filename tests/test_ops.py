@@ -114,6 +114,11 @@ def _decode_cases():
         args = (x["q"], x["k"], x["v"], x["g"], x["beta"], x["initial_state"], cu, 0.5, 64, 2)
         for op in (ops.chunk_checkpoints.default, ops.chunk_checkpoints_reference.default):
             cases.append((f"{op._schema.name}-{'kda' if per_key else 'gdn'}", op, args))
+    kd = kdn_inputs(B=1, T=140, H=2, K=4, V=3, dtype=torch.float32, N=3)
+    args = tuple(kd[n] for n in ("q", "k", "v", "log_alpha", "omega", "r", "memory",
+                                 "precision")) + (cu, 0.5, 0.8, 64, 2)
+    for op in (ops.diag_kdn_checkpoints.default, ops.diag_kdn_checkpoints_reference.default):
+        cases.append((op._schema.name, op, args))
     for pool_dtype in (torch.float32, torch.float8_e4m3fn):  # rows into slots, padding skipped
         args = (torch.randn(4, 2, 3).to(pool_dtype), idx, torch.randn(3, 2, 3).to(pool_dtype))
         for op in (ops.scatter_slots.default, ops.scatter_slots_reference.default):

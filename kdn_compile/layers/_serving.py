@@ -211,7 +211,7 @@ class SlotCache:
         and decoding token by token equals one ``forward`` over the whole sequence. It
         runs without autograd (``y`` carries no gradient).
 
-        Prefix-cache checkpoints (GatedDeltaNet and KimiDeltaAttention): with
+        Prefix-cache checkpoints: with
         ``checkpoint_indices [N, C]`` and ``checkpoint_every`` (a multiple of 64), slot
         ``checkpoint_indices[n, c]`` also receives, in every pool, what sequence ``n``'s
         own slot would hold after its first ``(c + 1) * checkpoint_every`` tokens of this
@@ -220,8 +220,10 @@ class SlotCache:
         (:func:`kdn_compile.chunk_checkpoints`). A prompt that starts with those tokens
         copies the slot into its own (:meth:`copy_slots`) and steps only the rest, with
         the outputs and final slot of stepping the whole prompt up to rounding (the
-        projections of fewer tokens may round differently; the recurrence itself resumes
-        bit for bit on CUDA from a float32 pool, see :func:`kdn_compile.chunk_checkpoints`).
+        projections of fewer tokens may round differently; the GDN and KDA recurrence
+        itself resumes bit for bit on CUDA from a float32 pool, see
+        :func:`kdn_compile.chunk_checkpoints`; Diag-KDN's gain scan composes its chunks in
+        another order, within rounding).
 
         Args:
             x: ``[B, T, D]`` activations in the parameters' dtype (checked outside
@@ -252,8 +254,8 @@ class SlotCache:
                 ``checkpoint_indices`` without ``checkpoint_every`` or the other way
                 round, either as :func:`kdn_compile.chunk_checkpoints` refuses it, or
                 ``checkpoint_every`` below the convolution's window ``conv_size - 1``.
-            NotImplementedError: checkpoints for a layer that keeps none (DiagKDN, or a
-                GatedDeltaNet with ``state_qdq`` or ``w_quantizer``).
+            NotImplementedError: checkpoints for a GatedDeltaNet with ``state_qdq`` or a
+                ``w_quantizer``.
         """
         check_tensor("x", x, floating=False)
         if x.dim() != 3:
@@ -292,8 +294,8 @@ class SlotCache:
                              f"checkpoint_every {type_name(checkpoint_every)}")
         if not self._keeps_checkpoints:
             raise NotImplementedError(
-                f"{type(self).__name__}.step keeps no prefix-cache checkpoints "
-                "(GatedDeltaNet and KimiDeltaAttention without state_qdq or w_quantizer do)")
+                f"{type(self).__name__}.step keeps no prefix-cache checkpoints with state_qdq "
+                "or a w_quantizer (its prefill quantizes as the checkpoints' kernels do not)")
         rows = num_sequences(x.shape[0], cu_seqlens)
         check_checkpoints(checkpoint_indices, checkpoint_every, rows, x.device)
         width = self.conv.kernel_size - 1  # the window must lie within this step's tokens

@@ -8,6 +8,7 @@ from torch import nn
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from kdn_compile.api import diag_kdn
+from kdn_compile.checkpoints import diag_kdn_prefill_states
 from kdn_compile._checks import check_float, check_state, num_sequences
 from kdn_compile.layers._common import GatedRMSNorm, ShortConv, check_eps, check_sizes, convolved_qkv
 from kdn_compile.layers._common import decay_rate_log, heads, time_step_bias
@@ -235,8 +236,12 @@ class DiagKDN(SlotCache, nn.Module):
         _, precision = initial_state(prior, batch_size=1, key_dim=self.head_dim, value_dim=1)
         return precision[0].to(device, dtype)
 
-    def advance(self, x, cache, indices, cu_seqlens, decode):
-        q, k, v = self._conv_step(x, cache, indices, cu_seqlens, self.num_heads)
+    @property
+    def _keeps_checkpoints(self) -> bool:
+        return True
+
+    def advance(self, x, cache, indices, cu_seqlens, decode, checkpoints=None):
+        q, k, v = self._conv_step(x, cache, indices, cu_seqlens, self.num_heads, checkpoints)
         q, k, log_alpha, omega, r, _ = self.mixer_inputs(x, q, k, v)
         scale = self.head_dim**-0.5
         if decode:
@@ -246,11 +251,22 @@ class DiagKDN(SlotCache, nn.Module):
             )
         else:
             dtype = work_dtype(x.dtype)
-            o, memory, precision = diag_kdn(
-                q, k, v, log_alpha, omega, r, load_state(cache, "memory", indices, dtype),
-                load_state(cache, "precision", indices, dtype), scale=scale,
-                info_scale=self.info_scale, chunk_size=self.chunk_size, cu_seqlens=cu_seqlens,
-            )
+            memory = load_state(cache, "memory", indices, dtype)
+            precision = load_state(cache, "precision", indices, dtype)
+            if checkpoints is None:
+                o, memory, precision = diag_kdn(
+                    q, k, v, log_alpha, omega, r, memory, precision, scale=scale,
+                    info_scale=self.info_scale, chunk_size=self.chunk_size,
+                    cu_seqlens=cu_seqlens,
+                )
+            else:  # the states at the checkpoints too, into their slots
+                kept, every, count = checkpoints
+                o, memory, precision, memories, precisions = diag_kdn_prefill_states(
+                    q, k, v, log_alpha, omega, r, memory, precision, checkpoint_every=every,
+                    checkpoints=count, scale=scale, info_scale=self.info_scale,
+                    cu_seqlens=cu_seqlens)
+                write_slots(cache["memory"], kept, memories)
+                write_slots(cache["precision"], kept, precisions)
             write_slots(cache["memory"], indices, memory)
             write_slots(cache["precision"], indices, precision)
         return self.output(o, x)

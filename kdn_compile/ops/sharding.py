@@ -264,6 +264,8 @@ def _register_serving():
                                                "intermediate_memory", "intermediate_precision"))
     for op in (_ops.chunk_checkpoints, _ops.chunk_checkpoints_reference):
         _rule(op.default, DELTA, [2, 1, 2])  # o, final state, states [N, C, Hv, K, V]
+    for op in (_ops.diag_kdn_checkpoints, _ops.diag_kdn_checkpoints_reference):
+        _rule(op.default, DIAG_KDN, [2, 1, 1, 2, 2])  # and memories, precisions [N, C, H, ...]
     for op in (_ops.scatter_slots, _ops.scatter_slots_reference):
         register_sharding(op.default)(_scatter_rule(op.default))
     for op in (_ops.state_fp8_qdq, _ops.state_fp8_qdq_reference,

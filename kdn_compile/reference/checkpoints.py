@@ -15,8 +15,9 @@ import torch
 from kdn_compile._checks import num_sequences
 from kdn_compile.reference._common import segments, work_dtype
 from kdn_compile.reference.delta_rule import chunk_gdn_reference, chunk_kda_reference
+from kdn_compile.reference.kdn import diag_kdn_reference
 
-__all__ = ["chunk_checkpoints_reference"]
+__all__ = ["chunk_checkpoints_reference", "diag_kdn_checkpoints_reference"]
 
 
 def chunk_checkpoints_reference(
@@ -68,3 +69,44 @@ def chunk_checkpoints_reference(
                            chunk_size=chunk_size, scale=scale, initial_state=state)
             states[rows, c] = state
     return o, final_state, states
+
+
+def diag_kdn_checkpoints_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    log_alpha: torch.Tensor,
+    omega: torch.Tensor,
+    r: torch.Tensor,
+    memory: torch.Tensor,
+    precision: torch.Tensor,
+    *,
+    scale: float,
+    info_scale: float,
+    checkpoint_every: int,
+    checkpoints: int,
+    chunk_size: int = 64,
+    cu_seqlens: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, ...]:
+    """Diag-KDN (:func:`~kdn_compile.reference.diag_kdn_reference`) with its states at
+    checkpoints: ``(output, memory, precision, memories [N, C, H, K, V], precisions [N, C,
+    H, K])``, ``memories[n, c]`` and ``precisions[n, c]`` the state of sequence ``n`` after
+    its first ``(c + 1) * checkpoint_every`` tokens (zero where the sequence is shorter);
+    the rest as the reference gives it."""
+    output, final_memory, final_precision = diag_kdn_reference(
+        q, k, v, log_alpha, omega, r, memory, precision, scale=scale, info_scale=info_scale,
+        chunk_size=chunk_size, cu_seqlens=cu_seqlens)
+    n, h, dk, dv = memory.shape
+    memories = final_memory.new_zeros((n, checkpoints, h, dk, dv))
+    precisions = final_precision.new_zeros((n, checkpoints, h, dk))
+    batch_rows = slice(None) if cu_seqlens is None else slice(0, 1)
+    for rows, times in segments(cu_seqlens, q.shape[0], q.shape[1]):
+        m, p = memory[rows], precision[rows]
+        for c in range(min(checkpoints, (times.stop - times.start) // checkpoint_every)):
+            piece = slice(times.start + c * checkpoint_every,
+                          times.start + (c + 1) * checkpoint_every)
+            _, m, p = diag_kdn_reference(
+                *(t[batch_rows, piece] for t in (q, k, v, log_alpha, omega, r)), m, p,
+                scale=scale, info_scale=info_scale, chunk_size=chunk_size)
+            memories[rows, c], precisions[rows, c] = m, p
+    return output, final_memory, final_precision, memories, precisions
