@@ -1,5 +1,6 @@
-"""examples/serving.py runs on the CPU: continuous batching with speculative decoding on a
-tiny hybrid model, whose generations it checks against plain greedy decoding."""
+"""examples/serving.py runs on the CPU: continuous batching with a prefix cache and
+speculative decoding on a tiny hybrid model, whose generations it checks against plain
+greedy decoding."""
 
 from __future__ import annotations
 
@@ -19,3 +20,4 @@ def test_serving_example_matches_plain_decoding():
     # both ends of the acceptance: drafts rejected at once and drafts kept whole
     assert (counts == 1).any() and (counts == 4).any(), counts.tolist()
     assert len(result["generations"]) == 8 and all(result["generations"])
+    assert result["hits"] == 7  # every request after the first starts from the checkpoint
