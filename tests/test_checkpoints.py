@@ -137,7 +137,7 @@ def test_compiles_fullgraph_without_host_syncs(seed):
 @pytest.mark.parametrize("change,error,match", [
     (dict(checkpoint_every=100), ValueError, "checkpoint_every must be a positive multiple"),
     (dict(checkpoint_every=0), ValueError, "checkpoint_every must be a positive multiple"),
-    (dict(checkpoint_every=2**70), ValueError, "below 2\*\*31"),
+    (dict(checkpoint_every=2**70), ValueError, r"below 2\*\*31"),
     (dict(checkpoint_every=64.0), TypeError, "checkpoint_every must be an int"),
     (dict(checkpoint_indices=torch.zeros(3, 2, dtype=torch.int64)), ValueError,
      r"checkpoint_indices must be \[N, C\] with N = 4"),
