@@ -143,10 +143,13 @@ def chunk_checkpoints(
     with ``fullgraph=True`` and replays in a CUDA graph. Inference only.
 
     Resuming: a prompt whose first ``m = (c + 1) * checkpoint_every`` tokens are those of
-    sequence ``n`` runs its remaining tokens with ``initial_state`` the slot's state and
-    gets the outputs of those tokens and the final state of the whole prompt, bit for bit
-    with a float32 pool (the chunks start at the same tokens), within the pool's rounding
-    for bfloat16 and float8 pools.
+    sequence ``n`` runs its remaining tokens with ``initial_state`` the slot's state (a
+    float8 slot dequantized first:
+    ``kdn_compile.reference.fp8.dequantize_state_fp8(pool[s:s + 1], pool_scales[s:s + 1])``)
+    and gets the outputs of those tokens and the final state of the whole prompt: bit for
+    bit on CUDA with a float32 pool (the chunks start at the same tokens), on the CPU
+    within float32 rounding, and within the pool's rounding for bfloat16 and float8 pools.
+    The layers' ``step`` does all of this for a whole cache (Diag-KDN included).
 
     Args:
         q, k: ``[B, T, Hk, K]`` unit-norm keys; v: ``[B, T, Hv, V]``; g: natural-log

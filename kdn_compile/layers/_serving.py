@@ -223,7 +223,9 @@ class SlotCache:
         projections of fewer tokens may round differently; the GDN and KDA recurrence
         itself resumes bit for bit on CUDA from a float32 pool, see
         :func:`kdn_compile.chunk_checkpoints`; Diag-KDN's gain scan composes its chunks in
-        another order, within rounding).
+        another order, within rounding). A step with checkpoints runs the chunked kernels at
+        chunk size 64 whatever the layer's ``chunk_size`` (other sizes: within rounding of
+        the plain step's outputs).
 
         Args:
             x: ``[B, T, D]`` activations in the parameters' dtype (checked outside
