@@ -16,20 +16,17 @@ from __future__ import annotations
 import torch
 
 import kdn_compile.ops  # noqa: F401  (registers torch.ops.kdn)
-from kdn_compile._backend import prefer_kernels
 from kdn_compile.api import _scale
 from kdn_compile._checks import (
     check_delta_inputs, check_no_tangents, check_pool, check_slot_values, dims, fail,
     num_sequences, shown, type_name,
 )
 from kdn_compile.debug import check_values
-from kdn_compile.ops._dispatch import eager_cuda
+from kdn_compile.ops._dispatch import serving_op
 from kdn_compile.ops.checkpoints import (
     CHUNK, chunk_checkpoints_body, diag_kdn_checkpoints_body,
 )
-from kdn_compile.reference.fp8 import quantize_state_fp8
-from kdn_compile.reference.pools import POOL_BLOCK_V
-from kdn_compile.serving import _POOL_DTYPES, _check_inference, check_pool_scales, write_slots
+from kdn_compile.serving import _POOL_DTYPES, _check_inference, check_pool_scales, write_states
 
 __all__ = ["chunk_checkpoints"]
 
@@ -88,10 +85,8 @@ def prefill_states(q, k, v, g, beta, *, checkpoint_every: int, checkpoints: int,
     already checked: ``(o, final_state, states [N * C, Hv, K, V])`` (the slots:
     :func:`kept_slots`)."""
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    op = _ops.chunk_checkpoints if prefer_kernels(q.device.type) else (
-        _ops.chunk_checkpoints_reference)
-    if op is _ops.chunk_checkpoints and eager_cuda(q):
-        op = chunk_checkpoints_body  # the op's own body, without the dispatcher
+    op = serving_op(q, _ops.chunk_checkpoints, _ops.chunk_checkpoints_reference,
+                    chunk_checkpoints_body)
     o, final_state, states = op(q, k, v, g, beta, initial_state, cu_seqlens, scale,
                                 checkpoint_every, checkpoints)
     return o, final_state, states.flatten(0, 1)
@@ -104,10 +99,8 @@ def diag_kdn_prefill_states(q, k, v, log_alpha, omega, r, memory, precision, *,
     ``(output, memory, precision, memories [N * C, H, K, V], precisions [N * C, H, K])``
     (the slots: :func:`kept_slots`). Resuming from such a state continues the prompt
     within rounding (the gain scan composes its chunks in another order)."""
-    op = _ops.diag_kdn_checkpoints if prefer_kernels(q.device.type) else (
-        _ops.diag_kdn_checkpoints_reference)
-    if op is _ops.diag_kdn_checkpoints and eager_cuda(q):
-        op = diag_kdn_checkpoints_body  # the op's own body, without the dispatcher
+    op = serving_op(q, _ops.diag_kdn_checkpoints, _ops.diag_kdn_checkpoints_reference,
+                    diag_kdn_checkpoints_body)
     output, memory, precision, memories, precisions = op(
         q, k, v, log_alpha, omega, r, memory, precision, cu_seqlens, scale, info_scale,
         checkpoint_every, checkpoints)
@@ -191,8 +184,7 @@ def chunk_checkpoints(
     dtypes = (torch.float64,) if q.dtype == torch.float64 else _POOL_DTYPES
     slots = check_pool("state_pool", state_pool, "[S, Hv, K, V]", (hv, dk, dv), dtypes,
                        q.device)
-    float8 = check_pool_scales(state_pool, pool_scales, False, slots, q.device,
-                               beside="state_pool")
+    check_pool_scales(state_pool, pool_scales, False, slots, q.device, beside="state_pool")
     scale = _scale(scale, q)
     _check_inference("prefills that keep checkpoints", q=q, k=k, v=v, g=g, beta=beta,
                      initial_state=initial_state, state_pool=state_pool)
@@ -205,8 +197,5 @@ def chunk_checkpoints(
         checkpoints=checkpoint_indices.shape[1], scale=scale, initial_state=initial_state,
         cu_seqlens=cu_seqlens)
     with torch.no_grad():
-        if float8:  # quantized as the decode kernels quantize, one scale per [K, 64] tile
-            states, scales = quantize_state_fp8(states.float(), POOL_BLOCK_V)
-            write_slots(pool_scales, kept, scales)
-        write_slots(state_pool, kept, states)
+        write_states(state_pool, pool_scales, kept, states)
     return o, final_state

@@ -27,7 +27,7 @@ from kdn_compile._checks import (
     fail, shown,
 )
 from kdn_compile.debug import check_values
-from kdn_compile.ops._dispatch import eager_cuda
+from kdn_compile.ops._dispatch import serving_op
 from kdn_compile.ops.decode import delta_rule_decode_body, diag_kdn_decode_body
 from kdn_compile.reference._common import work_dtype
 from kdn_compile.reference.fp8 import quantize_state_fp8
@@ -52,6 +52,20 @@ def write_slots(pool: torch.Tensor, indices: torch.Tensor, rows: torch.Tensor) -
     op = torch.ops.kdn.scatter_slots if prefer_kernels(pool.device.type) else (
         torch.ops.kdn.scatter_slots_reference)
     op(pool, indices.contiguous(), rows.to(pool.dtype).contiguous())
+
+
+def write_states(pool: torch.Tensor, scales: torch.Tensor | None, indices: torch.Tensor,
+                 states: torch.Tensor, state_v_first: bool = False) -> None:
+    """``states [N, ...]`` (in the pool's layout) into the slots ``indices`` of ``pool``
+    (negative: skipped), rounded to its dtype; into a float8 pool quantized as the decode
+    kernels quantize (:func:`kdn_compile.reference.fp8.quantize_state_fp8`, one scale per
+    ``[K, 64]`` tile of the key-first state, into ``scales``)."""
+    if pool.dtype == torch.float8_e4m3fn:
+        key_first = states.transpose(-1, -2) if state_v_first else states
+        values, tile_scales = quantize_state_fp8(key_first.float(), POOL_BLOCK_V)
+        write_slots(scales, indices, tile_scales)
+        states = values.transpose(-1, -2) if state_v_first else values
+    write_slots(pool, indices, states)
 
 
 def _check_inference(what: str = "decode steps", **tensors) -> None:
@@ -176,9 +190,8 @@ def delta_rule_decode(
     check_slot_indices(state_indices, b, slots, q.device)
     check_values("delta_rule_decode", resets=True, q=q, k=k, v=v, g=g, beta=beta)
     check_no_tangents("delta_rule_decode", q=q, k=k, v=v, g=g, beta=beta)
-    op = _ops.delta_rule_decode if prefer_kernels(q.device.type) else _ops.delta_rule_decode_reference
-    if op is _ops.delta_rule_decode and eager_cuda(q):
-        op = delta_rule_decode_body  # the op's own body, without the dispatcher
+    op = serving_op(q, _ops.delta_rule_decode, _ops.delta_rule_decode_reference,
+                    delta_rule_decode_body)
     scale = dk**-0.5 if scale is None else check_float("scale", scale)
     return op(q, k, v, g, beta, state_pool, state_indices, scale, state_v_first, pool_scales,
               intermediate_states, update_state)
@@ -237,21 +250,16 @@ def commit_states(
         "intermediate_states", intermediate_states, "state_pool", state_pool,
         "[Hv, V, K]" if state_v_first else "[Hv, K, V]", _POOL_DTYPES)
     device = intermediate_states.device
-    float8 = check_pool_scales(state_pool, pool_scales, state_v_first, slots, device,
-                               beside="intermediate_states")
+    check_pool_scales(state_pool, pool_scales, state_v_first, slots, device,
+                      beside="intermediate_states")
     check_slot_indices(state_indices, b, slots, device, beside="intermediate_states")
     check_slot_indices(accepted, b, slots, device, name="accepted",
                        beside="intermediate_states")
     _check_inference(state_pool=state_pool, intermediate_states=intermediate_states,
                      pool_scales=pool_scales)
-    rows, chosen = _accepted_rows(state_indices, slots, intermediate_states, accepted)
+    chosen, rows = _accepted_rows(state_indices, slots, accepted, intermediate_states)
     with torch.no_grad():
-        if float8:
-            key_first = rows.transpose(-1, -2) if state_v_first else rows
-            values, scales = quantize_state_fp8(key_first.float(), POOL_BLOCK_V)
-            write_slots(pool_scales, chosen, scales)
-            rows = values.transpose(-1, -2) if state_v_first else values
-        write_slots(state_pool, chosen, rows)
+        write_states(state_pool, pool_scales, chosen, rows, state_v_first)
 
 
 def _check_intermediates(name: str, intermediate, pool_name: str, pool, state: str,
@@ -291,17 +299,20 @@ def check_pool_scales(state_pool, pool_scales, state_v_first: bool, slots, devic
     return float8
 
 
-def _accepted_rows(state_indices, slots: int, intermediate: torch.Tensor, accepted):
-    """``(rows, chosen)``: each row's state after its accepted tokens, and its slot where
-    it accepted any (else -1); the indices and ``accepted`` checked on the device."""
-    b, t = intermediate.shape[:2]
+def _accepted_rows(state_indices, slots: int, accepted, *intermediates: torch.Tensor):
+    """``(chosen, *rows)``: each row's slot where it accepted any token (else -1), and from
+    each of ``intermediates [B, T, ...]`` its state after its accepted tokens; the indices
+    and ``accepted`` checked on the device."""
+    b, t = intermediates[0].shape[:2]
+    device = intermediates[0].device
     check_slot_values(state_indices, slots)
-    if intermediate.device.type != "meta":
+    if device.type != "meta":
         # T stays out of the message: formatting a symbolic T would specialize it
         torch._assert_async(((accepted >= 0) & (accepted <= t)).all(),
                             "accepted must be in 0..T, T the tokens of the intermediate states")
-    rows = intermediate[torch.arange(b, device=intermediate.device), (accepted - 1).clamp_min(0)]
-    return rows, torch.where(accepted > 0, state_indices, -1)
+    rows, last = torch.arange(b, device=device), (accepted - 1).clamp_min(0)
+    return (torch.where(accepted > 0, state_indices, -1),
+            *(intermediate[rows, last] for intermediate in intermediates))
 
 
 def commit_diag_kdn_states(
@@ -349,8 +360,8 @@ def commit_diag_kdn_states(
     _check_inference(memory_pool=memory_pool, precision_pool=precision_pool,
                      intermediate_memory=intermediate_memory,
                      intermediate_precision=intermediate_precision)
-    memory, chosen = _accepted_rows(state_indices, slots, intermediate_memory, accepted)
-    precision = intermediate_precision[torch.arange(b, device=device), (accepted - 1).clamp_min(0)]
+    chosen, memory, precision = _accepted_rows(state_indices, slots, accepted,
+                                               intermediate_memory, intermediate_precision)
     with torch.no_grad():
         write_slots(memory_pool, chosen, memory)
         write_slots(precision_pool, chosen, precision)
@@ -440,8 +451,7 @@ def diag_kdn_decode(
     scale, info_scale = check_float("scale", scale), check_float("info_scale", info_scale)
     check_values("diag_kdn_decode", q=q, k=k, v=v, log_alpha=log_alpha, omega=omega, r=r)
     check_no_tangents("diag_kdn_decode", q=q, k=k, v=v, log_alpha=log_alpha, omega=omega, r=r)
-    op = _ops.diag_kdn_decode if prefer_kernels(q.device.type) else _ops.diag_kdn_decode_reference
-    if op is _ops.diag_kdn_decode and eager_cuda(q):
-        op = diag_kdn_decode_body  # the op's own body, without the dispatcher
+    op = serving_op(q, _ops.diag_kdn_decode, _ops.diag_kdn_decode_reference,
+                    diag_kdn_decode_body)
     return op(q, k, v, log_alpha, omega, r, memory_pool, precision_pool, state_indices, scale,
               info_scale, intermediate_memory, intermediate_precision, update_state)

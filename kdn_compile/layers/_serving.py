@@ -22,10 +22,10 @@ from kdn_compile._checks import check_cu_seqlens, check_pool, check_slot_indices
 from kdn_compile._checks import check_tensor, dims, fail, listed, num_sequences, sequence_of, shown
 from kdn_compile._checks import type_name
 from kdn_compile.layers._state import LayerCache
-from kdn_compile.reference.fp8 import dequantize_state_fp8, quantize_state_fp8
+from kdn_compile.reference.fp8 import dequantize_state_fp8
 from kdn_compile.reference.pools import POOL_BLOCK_V, gather_slots
 from kdn_compile.checkpoints import check_checkpoints, kept_slots
-from kdn_compile.serving import MAX_DECODE_TOKENS, write_slots
+from kdn_compile.serving import MAX_DECODE_TOKENS, write_slots, write_states
 
 FLOAT8 = torch.float8_e4m3fn
 
@@ -43,11 +43,7 @@ def load_state(cache: dict, key: str, indices: torch.Tensor, dtype: torch.dtype)
 def store_state(cache: dict, key: str, indices: torch.Tensor, state: torch.Tensor) -> None:
     """``state [N, ...]`` back into the named slots of ``cache[key]`` (float8: quantized as
     :func:`kdn_compile.reference.fp8.quantize_state_fp8`, one scale per ``[K, 64]`` tile)."""
-    if cache[key].dtype == FLOAT8:
-        values, scales = quantize_state_fp8(state.float(), POOL_BLOCK_V)
-        write_slots(cache[key + "_scales"], indices, scales)
-        state = values
-    write_slots(cache[key], indices, state)
+    write_states(cache[key], cache.get(key + "_scales"), indices, state)
 
 
 def padding_mask(indices: torch.Tensor, x: torch.Tensor, cu_seqlens) -> torch.Tensor:

@@ -82,3 +82,14 @@ def eager_cuda(x: torch.Tensor) -> bool:
     export or a dispatch mode the op itself is called."""
     return (type(x) is torch.Tensor and x.is_cuda and not torch.compiler.is_compiling()
             and torch._C._len_torch_dispatch_stack() == 0)
+
+
+def serving_op(x: torch.Tensor, kernel_op, reference_op, body):
+    """The op a serving function calls on ``x``: ``kernel_op`` where the backend prefers
+    kernels on ``x``'s device (called eagerly on plain CUDA tensors: its ``body`` directly,
+    the same code without the dispatcher's host time), else ``reference_op``."""
+    from kdn_compile._backend import prefer_kernels
+
+    if not prefer_kernels(x.device.type):
+        return reference_op
+    return body if eager_cuda(x) else kernel_op

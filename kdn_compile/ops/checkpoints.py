@@ -23,20 +23,22 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from kdn_compile.ops._dispatch import TRITON, can_launch
+from kdn_compile.ops._dispatch import TRITON
 from kdn_compile.ops._shapes import empty_state
-from kdn_compile.reference._common import work_dtype
+from kdn_compile.ops.gdn import _gdn_kernels
+from kdn_compile.ops.kda import _kda_kernels
 from kdn_compile.ops.kdn import _gain_kernels, _memory_kernels
 from kdn_compile.reference import LOG_MEMORY_ALPHA_FLOOR
+from kdn_compile.reference._common import work_dtype
 from kdn_compile.reference.checkpoints import (
     chunk_checkpoints_reference,
     diag_kdn_checkpoints_reference,
 )
 
 if TRITON:
-    from kdn_compile.lowering.chunk_gdn_fwd import chunk_gdn_fwd, gdn_kernel_supports
+    from kdn_compile.lowering.chunk_gdn_fwd import chunk_gdn_fwd
     from kdn_compile.lowering.kalman_gain import kalman_gain_fwd, precision_at_checkpoints
-    from kdn_compile.lowering.two_key_common import LOG_DECAY_BOUND, two_key_kernel_supports
+    from kdn_compile.lowering.two_key_common import LOG_DECAY_BOUND
     from kdn_compile.lowering.two_key_fwd import two_key_fwd
 
 CHUNK = 64
@@ -67,11 +69,11 @@ def _fake(q, k, v, g, beta, initial_state, cu_seqlens, scale, checkpoint_every, 
 
 
 def _kernels(q, k, v, g, beta, initial_state, cu_seqlens) -> bool:
-    if not can_launch(q):
-        return False
+    """Where ``kdn::chunk_kda`` (per-key ``g``) or ``kdn::chunk_gdn`` (no state
+    quantization) run their kernels."""
     if g.dim() == 4:
-        return two_key_kernel_supports(q, v, chunk_size=CHUNK)
-    return gdn_kernel_supports(q, k, v, g, beta, initial_state, cu_seqlens, CHUNK)
+        return _kda_kernels(q, v, CHUNK)
+    return _gdn_kernels(q, k, v, g, beta, initial_state, cu_seqlens, CHUNK, False, 64)
 
 
 def chunk_checkpoints_body(
