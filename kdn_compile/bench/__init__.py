@@ -1,6 +1,6 @@
 """``kdn-compile bench``: time the ops and layers on one CUDA GPU, optionally against FLA.
 
-    kdn-compile bench [--ops gdn,kda,kdn,layers,decode,qat,qwen3next,coldstart,coldstart-layers] [--shapes BxTxH,...] [--against fla] [--profile] [--out DIR]
+    kdn-compile bench [--ops gdn,kda,kdn,layers,decode,checkpoints,qat,qwen3next,coldstart,coldstart-layers] [--shapes BxTxH,...] [--against fla] [--profile] [--out DIR]
     kdn-compile bench --quick [--against fla] [--recorded PATH] [--out DIR]
 
 For each op family the command first checks ours (and FLA's, with ``--against fla``)
@@ -59,12 +59,13 @@ FAMILIES = {
     "kdn": "kdn_compile.bench.kdn",
     "layers": "kdn_compile.bench.layers",
     "decode": "kdn_compile.bench.decode",
+    "checkpoints": "kdn_compile.bench.checkpoints",
     "qwen3next": "kdn_compile.bench.qwen3_next",
     "qat": "kdn_compile.bench.qat",
     "coldstart": "kdn_compile.bench.coldstart",
     "coldstart-layers": "kdn_compile.bench.coldstart_layers",
 }
-DEFAULT_OPS = ("gdn", "kda", "kdn", "layers", "decode", "qat")
+DEFAULT_OPS = ("gdn", "kda", "kdn", "layers", "decode", "checkpoints", "qat")
 """The families run when ``--ops`` is not given (``qwen3next`` needs transformers;
 ``coldstart`` and ``coldstart-layers`` compile everything from empty caches, minutes)."""
 
