@@ -118,12 +118,14 @@ def check_tensor(name: str, t, *, layout: str | None = None, floating: bool = Tr
 
 
 def check_same_device(**tensors) -> None:
-    present = {n: t for n, t in tensors.items() if t is not None}
-    devices = {n: t.device for n, t in present.items()}
-    first_name, first = next(iter(devices.items()))
-    for name, device in devices.items():
-        if device != first:
-            fail(ValueError, f"{name} is on {device} but {first_name} is on {first}: "
+    first_name = first = None
+    for name, t in tensors.items():
+        if t is None:
+            continue
+        if first is None:
+            first_name, first = name, t.device
+        elif t.device != first:
+            fail(ValueError, f"{name} is on {t.device} but {first_name} is on {first}: "
                              "all tensors must share one device")
 
 
@@ -408,8 +410,9 @@ def check_no_tangents(function: str, **tensors) -> None:
     """Refuse forward-mode AD (a dual tensor of :mod:`torch.autograd.forward_ad`, or an input
     of ``torch.func.jvp``): the ops have no forward derivative, and PyTorch would drop the
     tangent silently (the output a constant). Eager only; ``None`` entries are skipped."""
-    if torch.compiler.is_compiling():
-        return
+    if torch.compiler.is_compiling() or getattr(torch.autograd.forward_ad, "_current_level",
+                                                0) < 0:
+        return  # no dual level is open (torch.func.jvp opens one): no tensor has a tangent
     unpack = torch.autograd.forward_ad.unpack_dual
     for name, t in tensors.items():
         if isinstance(t, torch.Tensor) and unpack(t).tangent is not None:
