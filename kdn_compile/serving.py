@@ -217,12 +217,10 @@ def commit_states(
     for ``a = 0`` the slot keeps the state from before the verification. Padding rows
     (negative indices) write nothing. With a float32 pool, float32 intermediate states and
     inputs in float32 or half precision, verifying ``T`` tokens and committing ``a`` leaves
-    the slot where ``a`` one-token steps would have left it: bit for bit on the CPU (the
-    references and the kernels in Triton's interpreter); on CUDA up to the rounding of
-    fused multiply-adds, which the compiler may contract differently in the kernel's
-    specializations (measured bit for bit on an H100 at K = V = 128 for float32 and float8
-    pools, not for bfloat16). Nothing synchronizes with the host: a commit replays in a
-    CUDA graph.
+    the slot where ``a`` one-token steps would have left it, bit for bit on the CPU (the
+    references and the kernels in Triton's interpreter) and on CUDA (the kernel rounds the
+    same products whether it updates the pool or keeps intermediate states). Nothing
+    synchronizes with the host: a commit replays in a CUDA graph.
 
     Args:
         state_pool: ``[S, Hv, K, V]`` (``[S, Hv, V, K]`` with ``state_v_first``),

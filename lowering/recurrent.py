@@ -101,6 +101,18 @@ def _repeats(rows, r_ids, cols, c_ids, c_mask):
 
 
 @triton.jit
+def _product(a, b, INTERPRETED: tl.constexpr):
+    """``a * b`` (float32, same shape) rounded on its own: ``mul.rn`` in PTX, which neither
+    the compiler nor ptxas fuses into the additions of a sum. Left to contraction, which
+    multiply-adds become fused depends on what else a specialization of the kernel computes
+    (the state stored or not, the intermediate states or not), and its outputs with them."""
+    if INTERPRETED:
+        return a * b
+    return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=f,f,f", [a, b],
+                                     dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
 def _recurrent_delta_kernel(
     q, k, v, g, beta, w, o, state_in, scales_in, state_out, scales_out, inter,
     indices, slots_ok, cu_seqlens, T, num_rows, num_slots, scale, gate_floor,
@@ -108,7 +120,7 @@ def _recurrent_delta_kernel(
     BK: tl.constexpr, BV: tl.constexpr, NS: tl.constexpr,
     PER_KEY: tl.constexpr, STATE_V_FIRST: tl.constexpr, LOAD: tl.constexpr,
     STORE: tl.constexpr, SLOTS: tl.constexpr, VARLEN: tl.constexpr, INTER: tl.constexpr,
-    CHECK_BLOCK: tl.constexpr, SOFT_CAST: tl.constexpr,
+    CHECK_BLOCK: tl.constexpr, INTERPRETED: tl.constexpr,
     WRITE_KEY: tl.constexpr, FLOOR: tl.constexpr,
 ):
     scale = tl.cast(scale, tl.float32)  # Inductor passes Python floats as fp64
@@ -171,13 +183,19 @@ def _recurrent_delta_kernel(
             b_h = b_h * tl.exp(b_g)[:, None]
         else:
             b_h = b_h * tl.exp(tl.load(g + t * HV + i_h).to(tl.float32))
-        b_v = b_v - tl.sum(b_h * b_k[:, None], axis=0)
+        # every product rounded once, every update one explicit fused multiply-add: the
+        # same arithmetic in every specialization (see _product)
+        b_kk = tl.broadcast_to(b_k[:, None], (BK, BV))
+        b_v = b_v - tl.sum(_product(b_h, b_kk, INTERPRETED), axis=0)
         if WRITE_KEY:  # S += w (v - k^T S): the write key as given (Diag-KDN's gain)
             b_w = tl.load(w + (t * HV + i_h) * K + o_k, mask=m_k, other=0).to(tl.float32)
-            b_h += b_w[:, None] * b_v[None, :]
+            b_h = tl.fma(tl.broadcast_to(b_w[:, None], (BK, BV)),
+                         tl.broadcast_to(b_v[None, :], (BK, BV)), b_h)
         else:  # S += beta k (v - k^T S)
-            b_h += b_k[:, None] * (b_v * tl.load(beta + t * HV + i_h).to(tl.float32))[None, :]
-        b_o = tl.sum(b_h * b_q[:, None], axis=0)
+            b_u = b_v * tl.load(beta + t * HV + i_h).to(tl.float32)
+            b_h = tl.fma(b_kk, tl.broadcast_to(b_u[None, :], (BK, BV)), b_h)
+        b_qq = tl.broadcast_to(b_q[:, None], (BK, BV))
+        b_o = tl.sum(_product(b_h, b_qq, INTERPRETED), axis=0)
         tl.store(o + (t * HV + i_h) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
         if INTER:  # [N, T, HV, K, V] in the pool's layout: the state after this token
             p_i = ((i_n.to(tl.int64) * T + (t - bos)) * HV + i_h) * K * V
@@ -186,7 +204,7 @@ def _recurrent_delta_kernel(
     if STORE == 1:
         tl.store(state_out + base + p_tile, b_h.to(state_out.dtype.element_ty), mask=m_h)
     if STORE == 2:
-        values, s = quantize_tile(b_h, SOFT_CAST)
+        values, s = quantize_tile(b_h, INTERPRETED)
         tl.store(state_out + base + p_tile, values, mask=m_h)
         tl.store(scales_out + (row * HV + i_h) * NS + i_v, s)
 
@@ -259,7 +277,7 @@ def recurrent_delta_fwd(
         STATE_V_FIRST=state_v_first, LOAD=_state_kind(state_in), STORE=_state_kind(state_out),
         SLOTS=indices is not None, VARLEN=cu_seqlens is not None,
         INTER=intermediate is not None, CHECK_BLOCK=_CHECK_BLOCK,
-        SOFT_CAST=soft_cast(), WRITE_KEY=write_key is not None,
+        INTERPRETED=soft_cast(), WRITE_KEY=write_key is not None,
         FLOOR=gate_floor is not None, num_warps=warps,
     )
     return o, ok
