@@ -17,8 +17,9 @@ written once per call whatever ``T`` is: the cost of a decode step is that traff
 
 A negative slot marks a padding row: its output is zeros and nothing else is read or
 written. One program of each decode launch also checks every index (none ``>= S``, no
-non-negative one repeated) into a flag that the op asserts on without a host sync; a slot
-``>= S`` is skipped like a padding row, so no launch touches memory past the pool. Float8
+non-negative one repeated) with a device assert (no host sync, no second launch; in
+Triton's interpreter, into a flag that the op asserts on); a slot ``>= S`` is skipped like
+a padding row, so no launch touches memory past the pool. Float8
 pools are read and written by the tile helpers of :mod:`.fp8`, so a kernel's pool equals
 :func:`kdn_compile.reference.fp8.quantize_state_fp8` bit for bit on the same float32
 state. Launchers size grids from shapes alone and never synchronize: every call can be
@@ -32,7 +33,7 @@ import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
-from kdn_compile._checks import num_sequences, tracing
+from kdn_compile._checks import SLOT_ERROR, num_sequences, tracing
 
 from .fp8 import dequantize_tile, quantize_tile, soft_cast
 
@@ -112,7 +113,12 @@ def _product(a, b, INTERPRETED: tl.constexpr):
                                      dtype=tl.float32, is_pure=True, pack=1)
 
 
-@triton.jit
+_SLOT_MESSAGE = tl.constexpr(SLOT_ERROR)
+
+
+# debug: the index check's device assert compiled into every launch (Inductor compiles its
+# kernels so too)
+@triton.jit(debug=True)
 def _recurrent_delta_kernel(
     q, k, v, g, beta, w, o, state_in, scales_in, state_out, scales_out, inter,
     indices, slots_ok, cu_seqlens, T, num_rows, num_slots, scale, gate_floor,
@@ -156,7 +162,11 @@ def _recurrent_delta_kernel(
                     c_ids = c0 + tl.arange(0, CHECK_BLOCK)
                     cols = tl.load(indices + c_ids, mask=c_ids < num_rows, other=-1)
                     errors += _repeats(rows, r_ids, cols.to(tl.int64), c_ids, c_ids < num_rows)
-            tl.store(slots_ok, tl.sum(tl.sum(errors, axis=1), axis=0) == 0)
+            bad = tl.sum(tl.sum(errors, axis=1), axis=0)
+            if INTERPRETED:  # the interpreter runs no device asserts: a flag the op asserts on
+                tl.store(slots_ok, bad == 0)
+            else:  # in the launch itself: no second kernel (2-3 us of a batch-1 step)
+                tl.device_assert(bad == 0, _SLOT_MESSAGE)
         row = tl.load(indices + i_n).to(tl.int64)
         if (row < 0) | (row >= num_slots):  # padding row: zero output, no state touched
             for t in range(bos, eos):
@@ -231,9 +241,11 @@ def recurrent_delta_fwd(
     write_key=None, gate_floor: float | None = None,
     block_v: int | None = None, num_warps: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Launch the GDN / KDA token recurrence; returns ``(o, slots_ok)``: ``o`` like ``v``, and
-    with ``indices`` a 0-dim bool tensor, False if an index is ``>= S`` or a non-negative
-    index repeats (one program compares them all; the caller asserts on it), else None.
+    """Launch the GDN / KDA token recurrence; returns ``(o, slots_ok)``: ``o`` like ``v``.
+    With ``indices`` one program compares them all: on the GPU a device assert fails the
+    launch if an index is ``>= S`` or a non-negative index repeats (``slots_ok`` None); in
+    Triton's interpreter ``slots_ok`` is a 0-dim bool tensor, False then, that the caller
+    asserts on. Else None.
 
     Args:
         q, k: ``[B, T, Hk, K]``; v ``[B, T, Hv, V]``; g ``[B, T, Hv]`` or
@@ -266,7 +278,8 @@ def recurrent_delta_fwd(
     o = torch.empty_like(v)
     slots = kept.shape[0] if indices is not None else n
     ok = None
-    if indices is not None:  # written by the first program; an empty batch launches none
+    if indices is not None and soft_cast():  # the interpreter's flag (written by the first
+        # program; an empty batch launches none); on the GPU the kernel asserts itself
         ok = (torch.empty if n > 0 else torch.ones)((), dtype=torch.bool, device=q.device)
     _launch(_recurrent_delta_kernel, (triton.cdiv(dv, tile), n * hv), q)(
         q, k, v, g, beta, write_key, o, state_in, scales, state_out, scales, intermediate,

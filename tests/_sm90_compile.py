@@ -76,6 +76,8 @@ def compile_sm90(kernel, args, kwargs, aligned: bool = False, float_type: str = 
         if aligned and aligned_value:
             attrs[(i,)] = [["tt.divisibility", 16]]
     options = {k: v for k, v in kwargs.items() if k in ("num_warps", "num_stages")}
+    if getattr(kernel, "debug", None):  # as its launches compile it (device asserts in)
+        options["debug"] = True
     src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 

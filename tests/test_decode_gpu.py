@@ -94,11 +94,10 @@ def test_float8_store_bit_exact_on_the_gpu():
     state[5, 2, :, 64:] = (tiny.sign() * tiny.abs().clamp_min(2e-45)).float().cuda()
     out = torch.empty(8, 4, 128, 128, device="cuda", dtype=FP8)
     scales = torch.empty(8, 4, 2, device="cuda")
-    _, ok = recurrent_delta_fwd(x["q"], x["k"], x["v"], torch.zeros_like(x["g"]),
+    recurrent_delta_fwd(x["q"], x["k"], x["v"], torch.zeros_like(x["g"]),
                         torch.zeros_like(x["beta"]), scale=0.1, state_in=state, state_out=out,
                         scales=scales, indices=torch.arange(8, device="cuda"))
     values, expected = quantize_state_fp8(state)
-    assert bool(ok)
     assert torch.equal(scales, expected)
     assert torch.equal(out.view(torch.uint8), values.view(torch.uint8))
     assert scales[5, 2, 1] == 1.0
@@ -172,3 +171,38 @@ def test_diag_kdn_verify_then_commit_equals_decoding_the_accepted_tokens(memory_
 
     check_kdn_commit("auto", memory_dtype, device="cuda", K=128, V=128)
 
+
+
+_BAD_SLOTS_SCRIPT = """
+import sys, torch, kdn_compile
+B, T, Hk, Hv, K = 3, 1, 1, 2, 64
+q = torch.nn.functional.normalize(torch.randn(B, T, Hk, K, device="cuda"), dim=-1)
+v, beta = torch.randn(B, T, Hv, K, device="cuda"), torch.rand(B, T, Hv, device="cuda")
+g = -torch.rand(B, T, Hv, device="cuda")
+pool = torch.zeros(4, Hv, K, K, device="cuda")
+fn = kdn_compile.delta_rule_decode
+if sys.argv[1] == "compiled":
+    fn = torch.compile(fn, fullgraph=True)
+with torch.no_grad():
+    fn(q, q, v, g, beta, pool, torch.tensor([2, -1, 0], device="cuda"))
+    torch.cuda.synchronize()
+    print("good indices passed", flush=True)
+    fn(q, q, v, g, beta, pool, torch.tensor([1, 3, 1], device="cuda"))
+    torch.cuda.synchronize()
+"""
+
+
+@pytest.mark.parametrize("mode", ["eager", "compiled"])
+def test_a_repeated_slot_fails_the_decode_launch_with_the_message(mode):
+    """A repeated slot index fails the decode kernel's own device assert, eagerly and
+    compiled, with the message that names ``state_indices`` (no host sync, no second
+    launch); good indices pass."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _BAD_SLOTS_SCRIPT, mode],
+                          capture_output=True, text=True, timeout=300)
+    output = done.stdout + done.stderr
+    assert "good indices passed" in output, output[-3000:]
+    assert done.returncode != 0, output[-3000:]
+    assert "must not repeat a non-negative slot" in output, output[-3000:]
