@@ -432,10 +432,12 @@ def _chunk_gdn_fwd_kernel(
             b_h = _qdq_state(b_h, hs, hs_scales, c0 + i_t + 1, length - (i_t + 1) * BT, i_h,
                              i_v, H, K, V, BV, SOFT_CAST)
         if CHECKPOINTS:  # the state after every cp_every whole chunks: cp [N, C, H, K, V]
+            # a predicated store, not a branch: the pipelined loop stays one block
             i_c = (i_t + 1) // cp_every - 1
-            if ((i_t + 1) % cp_every == 0) & (i_c < cp_count) & ((i_t + 1) * BT <= length):
-                p_cp = cp + ((i_n.to(tl.int64) * cp_count + i_c) * H + i_h) * K * V
-                tl.store(p_cp + o_k[:, None] * V + o_v[None, :], b_h)
+            keep = ((i_t + 1) % cp_every == 0) & (i_c < cp_count) & ((i_t + 1) * BT <= length)
+            p_cp = cp + ((i_n.to(tl.int64) * cp_count + tl.maximum(i_c, 0)) * H + i_h) * K * V
+            p_tile = o_k[:, None] * V + o_v[None, :]  # (below K * V: all kept, or none)
+            tl.store(p_cp + p_tile, b_h, mask=p_tile < tl.where(keep, K * V, 0))
     if not RECOMPUTE:
         tl.store(ht + i_nh.to(tl.int64) * K * V + state_tile(i_v, K, V, BV, STATE_V_FIRST), b_h)
 

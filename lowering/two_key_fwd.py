@@ -312,10 +312,12 @@ def _two_key_fwd_state_kernel(
         b_s = b_s * b_el[:, None] + tl.dot(tl.trans(b_wl), b_x.to(b_wl.dtype),
                                            input_precision=DOT_PREC)
         if CHECKPOINTS:  # the state after every cp_every whole chunks: cp [N, C, Hv, K, V]
+            # a predicated store, not a branch: the pipelined loop stays one block
             i_c = (j + 1) // cp_every - 1
-            if ((j + 1) % cp_every == 0) & (i_c < cp_count) & (t0 + BT <= eos):
-                p_cp = cp + ((i_n.to(tl.int64) * cp_count + i_c) * Hv + i_h) * K * V
-                tl.store(p_cp + p_slot, b_s)
+            keep = ((j + 1) % cp_every == 0) & (i_c < cp_count) & (t0 + BT <= eos)
+            p_cp = cp + ((i_n.to(tl.int64) * cp_count + tl.maximum(i_c, 0)) * Hv + i_h) * K * V
+            # (p_slot below K * V: all kept, or none)
+            tl.store(p_cp + p_slot, b_s, mask=p_slot < tl.where(keep, K * V, 0))
     p_end = ((slot + tl.cdiv(eos - bos, BT)) * Hv + i_h) * K * V
     tl.store(h + p_end + p_slot, b_s.to(h.dtype.element_ty))
     tl.store(ht + i_nh.to(tl.int64) * K * V + p_state, b_s)
