@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from kdn_compile.serving import delta_rule_decode, diag_kdn_decode
-from kdn_compile.bench.timing import Shape, median_ms, relative_error, require_close
+from kdn_compile.bench.timing import Shape, graphed, median_ms, relative_error, require_close
 from kdn_compile.reference import recurrent_delta_rule_reference
 from kdn_compile.reference.fp8 import dequantize_state_fp8, quantize_state_fp8
 
@@ -67,15 +67,6 @@ def _state_bytes(shape: Shape, dtype: torch.dtype) -> int:
     per = {torch.float32: 4, torch.bfloat16: 2, FP8: 1}[dtype]
     scales = 4 * (HEAD_DIM // 64) if dtype == FP8 else 0
     return 2 * shape.batch * shape.heads * (HEAD_DIM * HEAD_DIM * per + scales)
-
-
-def graphed(fn: Callable[[], object]) -> Callable[[], None]:
-    """``fn`` captured in a CUDA graph (after one eager call); returns its replay."""
-    fn()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
 
 
 def _fla(per_key: bool, x: dict, state: torch.Tensor) -> Callable[[], object]:

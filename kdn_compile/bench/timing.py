@@ -57,6 +57,15 @@ def median_ms(fn: Callable[[], object]) -> float:
     return do_bench(fn, warmup=WARMUP_MS, rep=REPEAT_MS, return_mode="median")
 
 
+def graphed(fn: Callable[[], object]) -> Callable[[], None]:
+    """``fn`` captured in a CUDA graph (after one eager call); returns its replay."""
+    fn()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
 def _nbytes(tensors: Sequence) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 
