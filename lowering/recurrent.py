@@ -17,8 +17,8 @@ written once per call whatever ``T`` is: the cost of a decode step is that traff
 
 A negative slot marks a padding row: its output is zeros and nothing else is read or
 written. One program of each decode launch also checks every index (none ``>= S``, no
-non-negative one repeated) with a device assert (no host sync, no second launch; in
-Triton's interpreter, into a flag that the op asserts on); a slot ``>= S`` is skipped like
+non-negative one repeated) with a device assert (no host sync, no second launch; where
+no device assert is compiled in, also into a flag that the op asserts on); a slot ``>= S`` is skipped like
 a padding row, so no launch touches memory past the pool. Float8
 pools are read and written by the tile helpers of :mod:`.fp8`, so a kernel's pool equals
 :func:`kdn_compile.reference.fp8.quantize_state_fp8` bit for bit on the same float32
@@ -27,6 +27,8 @@ captured in a CUDA graph.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -126,7 +128,7 @@ def _recurrent_delta_kernel(
     BK: tl.constexpr, BV: tl.constexpr, NS: tl.constexpr,
     PER_KEY: tl.constexpr, STATE_V_FIRST: tl.constexpr, LOAD: tl.constexpr,
     STORE: tl.constexpr, SLOTS: tl.constexpr, VARLEN: tl.constexpr, INTER: tl.constexpr,
-    CHECK_BLOCK: tl.constexpr, INTERPRETED: tl.constexpr,
+    CHECK_BLOCK: tl.constexpr, FLAG: tl.constexpr, INTERPRETED: tl.constexpr,
     WRITE_KEY: tl.constexpr, FLOOR: tl.constexpr,
 ):
     scale = tl.cast(scale, tl.float32)  # Inductor passes Python floats as fp64
@@ -163,10 +165,11 @@ def _recurrent_delta_kernel(
                     cols = tl.load(indices + c_ids, mask=c_ids < num_rows, other=-1)
                     errors += _repeats(rows, r_ids, cols.to(tl.int64), c_ids, c_ids < num_rows)
             bad = tl.sum(tl.sum(errors, axis=1), axis=0)
-            if INTERPRETED:  # the interpreter runs no device asserts: a flag the op asserts on
+            # in the launch itself: no second kernel (2-3 us of a batch-1 step); a flag for
+            # the op to assert on where no device assert is compiled in (see _slot_flag)
+            tl.device_assert(bad == 0, _SLOT_MESSAGE)
+            if FLAG:
                 tl.store(slots_ok, bad == 0)
-            else:  # in the launch itself: no second kernel (2-3 us of a batch-1 step)
-                tl.device_assert(bad == 0, _SLOT_MESSAGE)
         row = tl.load(indices + i_n).to(tl.int64)
         if (row < 0) | (row >= num_slots):  # padding row: zero output, no state touched
             for t in range(bos, eos):
@@ -225,8 +228,27 @@ _CHECK_BLOCK = 16  # indices per block of the one program that compares them all
 def _launch(kernel, grid, like: torch.Tensor):
     """``kernel[grid]``: through ``wrap_triton`` while tracing (fake or functional tensors,
     torch.compile, export) so that Inductor sees the kernel, directly otherwise. A direct
-    launch skips the wrapper's dispatch, most of an eager decode step's host time."""
-    return wrap_triton(kernel)[grid] if tracing(like) else kernel[grid]
+    launch skips the wrapper's dispatch, most of an eager decode step's host time, and
+    compiles as Inductor does: without Triton's int32 overflow checks, which its debug
+    mode (the index check's device assert) would add (ptxas sm_90: 254 registers against
+    242 at the 32-column pool tile)."""
+    if tracing(like):
+        return wrap_triton(kernel)[grid]
+    return functools.partial(kernel[grid], sanitize_overflow=False)
+
+
+def _slot_flag(q: torch.Tensor) -> bool:
+    """Whether the decode kernel also writes its index check into a flag for the op to
+    assert on: where its device assert is not compiled in, in Triton's interpreter and
+    under an Inductor that compiles no device asserts (``assert_indirect_indexing`` off,
+    or ROCm)."""
+    if soft_cast():
+        return True
+    if not tracing(q):
+        return False  # a direct launch: @triton.jit(debug=True)
+    from torch._inductor import config
+
+    return not config.assert_indirect_indexing or torch.version.hip is not None
 
 
 def _state_kind(state) -> int:
@@ -243,9 +265,9 @@ def recurrent_delta_fwd(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Launch the GDN / KDA token recurrence; returns ``(o, slots_ok)``: ``o`` like ``v``.
     With ``indices`` one program compares them all: on the GPU a device assert fails the
-    launch if an index is ``>= S`` or a non-negative index repeats (``slots_ok`` None); in
-    Triton's interpreter ``slots_ok`` is a 0-dim bool tensor, False then, that the caller
-    asserts on. Else None.
+    launch if an index is ``>= S`` or a non-negative index repeats (``slots_ok`` None);
+    where no device assert is compiled in (:func:`_slot_flag`) ``slots_ok`` is a 0-dim
+    bool tensor, False then, that the caller asserts on. Else None.
 
     Args:
         q, k: ``[B, T, Hk, K]``; v ``[B, T, Hv, V]``; g ``[B, T, Hv]`` or
@@ -278,8 +300,8 @@ def recurrent_delta_fwd(
     o = torch.empty_like(v)
     slots = kept.shape[0] if indices is not None else n
     ok = None
-    if indices is not None and soft_cast():  # the interpreter's flag (written by the first
-        # program; an empty batch launches none); on the GPU the kernel asserts itself
+    if indices is not None and _slot_flag(q):  # written by the first program; an empty
+        # batch launches none
         ok = (torch.empty if n > 0 else torch.ones)((), dtype=torch.bool, device=q.device)
     _launch(_recurrent_delta_kernel, (triton.cdiv(dv, tile), n * hv), q)(
         q, k, v, g, beta, write_key, o, state_in, scales, state_out, scales, intermediate,
@@ -289,7 +311,7 @@ def recurrent_delta_fwd(
         NS=triton.cdiv(dv, FP8_BLOCK_V), PER_KEY=g.dim() == 4,
         STATE_V_FIRST=state_v_first, LOAD=_state_kind(state_in), STORE=_state_kind(state_out),
         SLOTS=indices is not None, VARLEN=cu_seqlens is not None,
-        INTER=intermediate is not None, CHECK_BLOCK=_CHECK_BLOCK,
+        INTER=intermediate is not None, CHECK_BLOCK=_CHECK_BLOCK, FLAG=ok is not None,
         INTERPRETED=soft_cast(), WRITE_KEY=write_key is not None,
         FLOOR=gate_floor is not None, num_warps=warps,
     )

@@ -63,6 +63,9 @@ def compile_sm90(kernel, args, kwargs, aligned: bool = False, float_type: str = 
     ``fp32`` what an eager launch passes.
     """
     names = kernel.arg_names
+    # recorded under TRITON_INTERPRET=1: compiled as the GPU launches them (no interpreter
+    # workarounds)
+    kwargs = {n: False if n in _INTERPRETER_FLAGS else v for n, v in kwargs.items()}
     bound = dict(zip(names, args), **kwargs)
     signature, constexprs, attrs = {}, {}, {}
     for i, name in enumerate(names):
@@ -76,8 +79,8 @@ def compile_sm90(kernel, args, kwargs, aligned: bool = False, float_type: str = 
         if aligned and aligned_value:
             attrs[(i,)] = [["tt.divisibility", 16]]
     options = {k: v for k, v in kwargs.items() if k in ("num_warps", "num_stages")}
-    if getattr(kernel, "debug", None):  # as its launches compile it (device asserts in)
-        options["debug"] = True
+    if getattr(kernel, "debug", None):  # as its launches (and Inductor) compile it: device
+        options.update(debug=True, sanitize_overflow=False)  # asserts in, no overflow checks
     src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
@@ -219,7 +222,10 @@ def written_indices(kernel, args, kwargs) -> set[str]:
 
 
 # Constexpr flags that add code paths to a kernel (each a superset of the path without it).
-_PATH_FLAGS = ("STATE_QDQ", "QBV", "WALK", "WY", "WITH_M", "WITH_AI", "CHECKPOINTS")
+_PATH_FLAGS = ("STATE_QDQ", "QBV", "WALK", "WY", "WITH_M", "WITH_AI", "CHECKPOINTS", "SLOTS",
+               "INTER")
+# constexprs true only in Triton's interpreter
+_INTERPRETER_FLAGS = ("SOFT_CAST", "INTERPRETED")
 
 
 def variant(kernel, kwargs) -> str:

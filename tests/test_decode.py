@@ -442,3 +442,24 @@ def test_decode_with_intermediate_states_keeps_the_batch_dynamic_and_takes_none(
     empty = delta_inputs(B=0, T=2, Hk=1, Hv=1, K=4, V=4, dtype=torch.float32, with_state=False)
     o = step(empty, pool, torch.zeros(0, dtype=torch.long), torch.zeros(0, 2, 1, 4, 4))
     assert o.shape == (0, 2, 1, 4)
+
+
+def test_the_index_flag_is_kept_where_no_device_assert_is_compiled_in(monkeypatch):
+    """The decode kernel checks its slot indices with a device assert; where none is
+    compiled in (Triton's interpreter, an Inductor with ``assert_indirect_indexing`` off)
+    it also writes the check into a flag that the op asserts on."""
+    pytest.importorskip("triton")
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from kdn_compile.lowering import recurrent
+
+    q = torch.zeros(2)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert not recurrent._slot_flag(q)  # a direct launch of the debug-compiled kernel
+    with FakeTensorMode() as mode:
+        traced = mode.from_tensor(q)
+        assert not recurrent._slot_flag(traced)  # Inductor compiles device asserts in
+        with torch._inductor.config.patch(assert_indirect_indexing=False):
+            assert recurrent._slot_flag(traced)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert recurrent._slot_flag(q)

@@ -29,7 +29,7 @@ def test_every_kernel_compiles_for_sm90_as_inductor_types_it(tmp_path):
                           text=True, timeout=900)
     report = done.stdout + done.stderr[-4000:]
     assert done.returncode == 0, report
-    assert "43 kernels, 0 failed" in done.stdout, report
+    assert "44 kernels, 0 failed" in done.stdout, report
     # no launch, fixed length or packed, is seen writing cu_seqlens or chunk indices
     # (lowering/_launch.py says why)
     assert "0 kernels write index tensors" in done.stdout, report

@@ -84,7 +84,7 @@ def delta_rule_decode_body(
         indices=state_indices.contiguous(), intermediate=intermediate_states,
         state_v_first=state_v_first,
     )
-    if slots_ok is not None:  # the interpreter's flag; on the GPU the kernel asserts
+    if slots_ok is not None:  # where the kernel's own device assert is not compiled in
         torch._assert_async(slots_ok, SLOT_ERROR)
     return o
 
@@ -150,7 +150,7 @@ def diag_kdn_decode_body(
         log_alpha_floor=LOG_MEMORY_ALPHA_FLOOR, intermediate_memory=intermediate_memory,
         intermediate_precision=intermediate_precision, update_state=update_state,
     )
-    if slots_ok is not None:  # the interpreter's flag; on the GPU the kernel asserts
+    if slots_ok is not None:  # where the kernel's own device assert is not compiled in
         torch._assert_async(slots_ok, SLOT_ERROR)
     return o
 
