@@ -37,6 +37,7 @@ from torch.library import wrap_triton
 
 from kdn_compile._checks import SLOT_ERROR, num_sequences, tracing
 
+from ._direct import DirectKernel
 from .fp8 import dequantize_tile, quantize_tile, soft_cast
 
 __all__ = [
@@ -227,14 +228,21 @@ _CHECK_BLOCK = 16  # indices per block of the one program that compares them all
 
 def _launch(kernel, grid, like: torch.Tensor):
     """``kernel[grid]``: through ``wrap_triton`` while tracing (fake or functional tensors,
-    torch.compile, export) so that Inductor sees the kernel, directly otherwise. A direct
-    launch skips the wrapper's dispatch, most of an eager decode step's host time, and
-    compiles as Inductor does: without Triton's int32 overflow checks, which its debug
-    mode (the index check's device assert) would add (ptxas sm_90: 254 registers against
-    242 at the 32-column pool tile)."""
+    torch.compile, export) so that Inductor sees the kernel; eager CUDA launches through
+    :class:`~._direct.DirectKernel`, which skips the wrapper's dispatch and Triton's
+    per-call binding, most of an eager decode step's host time. Direct launches compile
+    as Inductor does: without Triton's int32 overflow checks, which its debug mode (the
+    index check's device assert) would add (ptxas sm_90: 254 registers against 242 at
+    the 32-column pool tile)."""
     if tracing(like):
         return wrap_triton(kernel)[grid]
-    return functools.partial(kernel[grid], sanitize_overflow=False)
+    if like.device.type != "cuda":  # Triton's interpreter
+        return functools.partial(kernel[grid], sanitize_overflow=False)
+    direct = _DIRECT.get(kernel) or _DIRECT.setdefault(kernel, DirectKernel(kernel))
+    return functools.partial(direct[grid], sanitize_overflow=False)
+
+
+_DIRECT: dict = {}  # DirectKernel of each kernel launched eagerly
 
 
 def _slot_flag(q: torch.Tensor) -> bool:
