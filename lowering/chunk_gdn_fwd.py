@@ -6,12 +6,13 @@ and ``Ai = (I + A)^-1`` (the WY form of
 :func:`kdn_compile.reference.chunk_gdn_reference`):
 
 1. ``_chunk_gdn_prepare_kernel`` (one program per chunk and value head): ``G``,
-   ``M = (q k^T) * exp(G_i - G_j)`` (``j <= i``) and ``Ai``. ``A`` goes through a
-   float32 scratch buffer so that ``Ai`` can be built from its 16 x 16 blocks:
-   diagonal blocks inverted by products of powers (:func:`inv_unit_lower`),
-   joined by block products, TF32 products where ``Ai`` is stored in half precision
-   (:func:`~._launch.inverse_precision`). (Forming each block in registers from its rows of
-   ``k`` instead, with no scratch, took 0.553 ms against 0.366 at 8 x 4096 x 16 bf16, H100.)
+   ``M = (q k^T) * exp(G_i - G_j)`` (``j <= i``) and ``Ai``. An ``Ai`` stored in half
+   precision is inverted as one tile in registers with TF32 products
+   (:func:`~._tiles.inv_unit_lower_tile`: ten ``64 x 64`` products, whose roundings the
+   half-precision store hides, see :func:`~._launch.inverse_precision`). A float32 ``Ai``
+   takes exact products on ``16 x 16`` blocks, through a float32 scratch buffer: diagonal
+   blocks inverted by products of powers (:func:`inv_unit_lower`), joined by block
+   products.
 2. ``_chunk_gdn_fwd_kernel`` (one program per sequence, value head and tile of
    ``BV`` value columns, walking the chunks in order with the state in
    registers): ``delta = Ai (beta (v - (e^G k) S))``,
@@ -65,7 +66,7 @@ from ._launch import (
     state_tile,
     uncovered_inputs,
 )
-from ._tiles import inv_dot, inv_unit_lower
+from ._tiles import inv_dot, inv_unit_lower, inv_unit_lower_tile
 from .fp8 import qdq_tile, soft_cast
 
 __all__ = [
@@ -247,7 +248,7 @@ def _chunk_gdn_prepare_kernel(
     q, k, g, beta, gc, ai, aqk, scratch, spans, T,
     H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
     IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, INV_PREC: tl.constexpr,
-    WITH_M: tl.constexpr, WITH_AI: tl.constexpr,
+    WITH_M: tl.constexpr, WITH_AI: tl.constexpr, TILE_INV: tl.constexpr,
 ):
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     if IS_VARLEN:  # index loads in the kernel body: see _launch.py
@@ -277,55 +278,59 @@ def _chunk_gdn_prepare_kernel(
         b_m = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC) * b_d
         tl.store(aqk + o_m, b_m.to(aqk.dtype.element_ty), mask=m_r[:, None])
     if WITH_AI:
-        # A = beta_i (k_i . k_j) exp(G_i - G_j), j < i, float32, through the scratch buffer
+        # A = beta_i (k_i . k_j) exp(G_i - G_j), j < i, float32
         b_a = tl.dot(b_k, tl.trans(b_k), input_precision=DOT_PREC) * b_d
         b_a = tl.where(o_t[:, None] > o_t[None, :], b_beta[:, None] * b_a, 0.0)
-        tl.store(scratch + o_m, b_a, mask=m_r[:, None])
-        tl.debug_barrier()
+        if TILE_INV:  # half-precision Ai: the whole tile in registers, TF32 products
+            b_ai = inv_unit_lower_tile(b_a, BC, INV_PREC)
+            tl.store(ai + o_m, b_ai.to(ai.dtype.element_ty), mask=m_r[:, None])
+        else:  # float32 Ai: exact products on 16 x 16 blocks, through the scratch buffer
+            tl.store(scratch + o_m, b_a, mask=m_r[:, None])
+            tl.debug_barrier()
 
-        # (I + A)^-1 in 16 x 16 blocks: diagonal blocks by inv_unit_lower, then each block row
-        # i as Ai_ij = -Ai_ii sum_l A_il Ai_lj, the sums taken column block by column block so
-        # that each inverse block is dead after its last use (sm_90: 134 registers, 3 programs
-        # per SM; the row-at-a-time order held all of them, 172 registers, 2 programs)
-        scratch += i_h * BT
-        ai += i_h * BT
-        r1 = t0 + tl.arange(0, BC)
-        r2 = r1 + BC
-        r3 = r2 + BC
-        r4 = r3 + BC
-        b_i11 = inv_unit_lower(_load_block(scratch, r1, eos, 0, H, BT, BC), INV_PREC)
-        _store_block(ai, b_i11, r1, eos, 0, H, BT)
-        b_t1 = inv_dot(_load_block(scratch, r2, eos, 0, H, BT, BC), b_i11, INV_PREC)
-        b_i22 = inv_unit_lower(_load_block(scratch, r2, eos, BC, H, BT, BC), INV_PREC)
-        b_i21 = -inv_dot(b_i22, b_t1, INV_PREC)
-        _store_block(ai, b_i21, r2, eos, 0, H, BT)
-        _store_block(ai, b_i22, r2, eos, BC, H, BT)
-        b_a31 = _load_block(scratch, r3, eos, 0, H, BT, BC)
-        b_t1 = inv_dot(b_a31, b_i11, INV_PREC)
-        b_a32 = _load_block(scratch, r3, eos, BC, H, BT, BC)
-        b_t1 += inv_dot(b_a32, b_i21, INV_PREC)
-        b_t2 = inv_dot(b_a32, b_i22, INV_PREC)
-        b_i33 = inv_unit_lower(_load_block(scratch, r3, eos, 2 * BC, H, BT, BC), INV_PREC)
-        b_i31 = -inv_dot(b_i33, b_t1, INV_PREC)
-        b_i32 = -inv_dot(b_i33, b_t2, INV_PREC)
-        _store_block(ai, b_i31, r3, eos, 0, H, BT)
-        _store_block(ai, b_i32, r3, eos, BC, H, BT)
-        _store_block(ai, b_i33, r3, eos, 2 * BC, H, BT)
-        b_a41 = _load_block(scratch, r4, eos, 0, H, BT, BC)
-        b_t1 = inv_dot(b_a41, b_i11, INV_PREC)
-        b_a42 = _load_block(scratch, r4, eos, BC, H, BT, BC)
-        b_t1 += inv_dot(b_a42, b_i21, INV_PREC)
-        b_t2 = inv_dot(b_a42, b_i22, INV_PREC)
-        b_a43 = _load_block(scratch, r4, eos, 2 * BC, H, BT, BC)
-        b_t1 += inv_dot(b_a43, b_i31, INV_PREC)
-        b_t2 += inv_dot(b_a43, b_i32, INV_PREC)
-        b_t3 = inv_dot(b_a43, b_i33, INV_PREC)
-        b_i44 = inv_unit_lower(_load_block(scratch, r4, eos, 3 * BC, H, BT, BC), INV_PREC)
-        _store_block(ai, -inv_dot(b_i44, b_t1, INV_PREC), r4, eos, 0, H, BT)
-        _store_block(ai, -inv_dot(b_i44, b_t2, INV_PREC), r4, eos, BC, H, BT)
-        _store_block(ai, -inv_dot(b_i44, b_t3, INV_PREC), r4, eos, 2 * BC, H, BT)
-        _store_block(ai, b_i44, r4, eos, 3 * BC, H, BT)
-        _store_upper_zeros(ai, r1, r2, r3, eos, H, BT, BC)
+            # (I + A)^-1 in 16 x 16 blocks: diagonal blocks by inv_unit_lower, then each block row
+            # i as Ai_ij = -Ai_ii sum_l A_il Ai_lj, the sums taken column block by column block so
+            # that each inverse block is dead after its last use (sm_90: 134 registers, 3 programs
+            # per SM; the row-at-a-time order held all of them, 172 registers, 2 programs)
+            scratch += i_h * BT
+            ai += i_h * BT
+            r1 = t0 + tl.arange(0, BC)
+            r2 = r1 + BC
+            r3 = r2 + BC
+            r4 = r3 + BC
+            b_i11 = inv_unit_lower(_load_block(scratch, r1, eos, 0, H, BT, BC), INV_PREC)
+            _store_block(ai, b_i11, r1, eos, 0, H, BT)
+            b_t1 = inv_dot(_load_block(scratch, r2, eos, 0, H, BT, BC), b_i11, INV_PREC)
+            b_i22 = inv_unit_lower(_load_block(scratch, r2, eos, BC, H, BT, BC), INV_PREC)
+            b_i21 = -inv_dot(b_i22, b_t1, INV_PREC)
+            _store_block(ai, b_i21, r2, eos, 0, H, BT)
+            _store_block(ai, b_i22, r2, eos, BC, H, BT)
+            b_a31 = _load_block(scratch, r3, eos, 0, H, BT, BC)
+            b_t1 = inv_dot(b_a31, b_i11, INV_PREC)
+            b_a32 = _load_block(scratch, r3, eos, BC, H, BT, BC)
+            b_t1 += inv_dot(b_a32, b_i21, INV_PREC)
+            b_t2 = inv_dot(b_a32, b_i22, INV_PREC)
+            b_i33 = inv_unit_lower(_load_block(scratch, r3, eos, 2 * BC, H, BT, BC), INV_PREC)
+            b_i31 = -inv_dot(b_i33, b_t1, INV_PREC)
+            b_i32 = -inv_dot(b_i33, b_t2, INV_PREC)
+            _store_block(ai, b_i31, r3, eos, 0, H, BT)
+            _store_block(ai, b_i32, r3, eos, BC, H, BT)
+            _store_block(ai, b_i33, r3, eos, 2 * BC, H, BT)
+            b_a41 = _load_block(scratch, r4, eos, 0, H, BT, BC)
+            b_t1 = inv_dot(b_a41, b_i11, INV_PREC)
+            b_a42 = _load_block(scratch, r4, eos, BC, H, BT, BC)
+            b_t1 += inv_dot(b_a42, b_i21, INV_PREC)
+            b_t2 = inv_dot(b_a42, b_i22, INV_PREC)
+            b_a43 = _load_block(scratch, r4, eos, 2 * BC, H, BT, BC)
+            b_t1 += inv_dot(b_a43, b_i31, INV_PREC)
+            b_t2 += inv_dot(b_a43, b_i32, INV_PREC)
+            b_t3 = inv_dot(b_a43, b_i33, INV_PREC)
+            b_i44 = inv_unit_lower(_load_block(scratch, r4, eos, 3 * BC, H, BT, BC), INV_PREC)
+            _store_block(ai, -inv_dot(b_i44, b_t1, INV_PREC), r4, eos, 0, H, BT)
+            _store_block(ai, -inv_dot(b_i44, b_t2, INV_PREC), r4, eos, BC, H, BT)
+            _store_block(ai, -inv_dot(b_i44, b_t3, INV_PREC), r4, eos, 2 * BC, H, BT)
+            _store_block(ai, b_i44, r4, eos, 3 * BC, H, BT)
+            _store_upper_zeros(ai, r1, r2, r3, eos, H, BT, BC)
 
 
 # -------------------------------------------------------------------------------------------
@@ -442,6 +447,13 @@ def _chunk_gdn_fwd_kernel(
         tl.store(ht + i_nh.to(tl.int64) * K * V + state_tile(i_v, K, V, BV, STATE_V_FIRST), b_h)
 
 
+def tile_inverse(dtype: torch.dtype) -> bool:
+    """Whether the prepare kernel inverts a chunk's ``I + A`` as one tile in registers
+    (:func:`~._tiles.inv_unit_lower_tile`, TF32 products), for ``Ai`` stored in ``dtype``:
+    half precision; a float32 ``Ai`` takes exact products on 16 x 16 blocks instead."""
+    return dtype != torch.float32
+
+
 def gdn_prepare(q, k, g, beta, cu_seqlens, layout, *, with_m=True, with_ai=True):
     """Launch the prepare kernel: ``(G, Ai, M)``; ``G`` float64 ``[B, T, Hv]``, ``Ai`` and
     ``M`` ``[B, T, Hv, 64]`` in ``k``'s dtype (row ``t`` of its chunk's matrix). Without
@@ -450,15 +462,16 @@ def gdn_prepare(q, k, g, beta, cu_seqlens, layout, *, with_m=True, with_ai=True)
     gc = torch.empty(g.shape, dtype=torch.float64, device=g.device)
     ai = k.new_empty((batch, length, hv, CHUNK)) if with_ai else None
     aqk = k.new_empty((batch, length, hv, CHUNK)) if with_m else None
+    tile_inv = with_ai and tile_inverse(ai.dtype)
     scratch = (torch.empty((batch, length, hv, CHUNK), dtype=torch.float32, device=k.device)
-               if with_ai else None)
+               if with_ai and not tile_inv else None)
     wrap_triton(_chunk_gdn_prepare_kernel)[(bound, hv)](
         k if q is None else q, k, g, g if beta is None else beta,  # (read, unused)
         gc, ai, aqk, scratch, spans, length,
         H=hv, HK=hk, K=dk, BT=CHUNK, BC=_SUB,
         IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(k.dtype),
         INV_PREC=inverse_precision(ai.dtype if with_ai else k.dtype),
-        WITH_M=with_m, WITH_AI=with_ai, num_warps=4,
+        WITH_M=with_m, WITH_AI=with_ai, TILE_INV=tile_inv, num_warps=4,
     )
     return gc, ai, aqk
 
