@@ -17,10 +17,10 @@ written once per call whatever ``T`` is: the cost of a decode step is that traff
 
 A negative slot marks a padding row: its output is zeros and nothing else is read or
 written. One program of each decode launch also checks every index (none ``>= S``, no
-non-negative one repeated) with a device assert (no host sync, no second launch; where
-no device assert is compiled in, also into a flag that the op asserts on); a slot ``>= S`` is skipped like
-a padding row, so no launch touches memory past the pool. Float8
-pools are read and written by the tile helpers of :mod:`.fp8`, so a kernel's pool equals
+non-negative one repeated) with a device assert (no host sync, no second launch; where no
+device assert is compiled in, also into a flag that the op asserts on); a slot ``>= S`` is
+skipped like a padding row, so no launch touches memory past the pool. Float8 pools are
+read and written by the tile helpers of :mod:`.fp8`, so a kernel's pool equals
 :func:`kdn_compile.reference.fp8.quantize_state_fp8` bit for bit on the same float32
 state. Launchers size grids from shapes alone and never synchronize: every call can be
 captured in a CUDA graph.

@@ -172,7 +172,6 @@ def test_diag_kdn_verify_then_commit_equals_decoding_the_accepted_tokens(memory_
     check_kdn_commit("auto", memory_dtype, device="cuda", K=128, V=128)
 
 
-
 _BAD_SLOTS_SCRIPT = """
 import sys, torch, kdn_compile
 B, T, Hk, Hv, K = 3, 1, 1, 2, 64
