@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from triton import knobs
 
-__all__ = ["DirectKernel", "launch_key"]
+__all__ = ["DirectKernel", "launch_hooked", "launch_key"]
 
 _Tensor = torch.Tensor
 
@@ -35,6 +35,14 @@ def _arg_key(a):
         return a.__class__
     # an int: 1 is a constant; divisibility by 16; i32, i64 or u64
     return a == 1, a & 15 == 0, -(1 << 31) <= a < 1 << 31, a >= 1 << 63
+
+
+def launch_hooked() -> bool:
+    """Whether a launch hook is installed: Triton keeps its launch hooks in a chain
+    (``knobs.runtime.launch_enter_hook``, empty by default; older releases a callable or
+    None)."""
+    hook = knobs.runtime.launch_enter_hook
+    return hook is not None and bool(getattr(hook, "calls", True))
 
 
 def launch_key(args: tuple, kwargs: dict) -> tuple:
@@ -63,7 +71,7 @@ class DirectKernel:
         device = torch.cuda.current_device()
         key = launch_key(args, kwargs), device, knobs.runtime.debug
         compiled = self._compiled.get(key)
-        if compiled is None or knobs.runtime.launch_enter_hook is not None:
+        if compiled is None or launch_hooked():
             self._compiled[key] = self.kernel[grid](*args, **kwargs)
             return
         grid = tuple(grid) + (1, 1)

@@ -55,3 +55,18 @@ def test_calls_that_triton_specializes_apart_never_share_a_key():
     assert not shared, f"one key for several Triton specializations: {shared}"
     # and the key is not trivially fine: distinct specializations did occur
     assert len(set().union(*by_key.values())) > 10
+
+
+def test_direct_launches_only_where_no_launch_hook_is_installed(monkeypatch):
+    from triton import knobs
+
+    from kdn_compile.lowering._direct import launch_hooked
+
+    assert not launch_hooked()  # Triton's default: an empty chain
+    chain = knobs.runtime.launch_enter_hook
+    monkeypatch.setattr(chain, "calls", [lambda metadata: None])
+    assert launch_hooked()
+    monkeypatch.setattr(knobs.runtime, "launch_enter_hook", None)
+    assert not launch_hooked()
+    monkeypatch.setattr(knobs.runtime, "launch_enter_hook", lambda metadata: None)
+    assert launch_hooked()
