@@ -238,11 +238,10 @@ def _launch(kernel, grid, like: torch.Tensor):
         return wrap_triton(kernel)[grid]
     if like.device.type != "cuda":  # Triton's interpreter
         return functools.partial(kernel[grid], sanitize_overflow=False)
-    direct = _DIRECT.get(kernel) or _DIRECT.setdefault(kernel, DirectKernel(kernel))
-    return functools.partial(direct[grid], sanitize_overflow=False)
+    return functools.partial(_direct(kernel)[grid], sanitize_overflow=False)
 
 
-_DIRECT: dict = {}  # DirectKernel of each kernel launched eagerly
+_direct = functools.cache(DirectKernel)  # one per kernel launched eagerly
 
 
 def _slot_flag(q: torch.Tensor) -> bool:
