@@ -270,7 +270,7 @@ def check_delta_inputs(
         fail(ValueError, f"the value heads Hv = {shown(hv)} (v {dims(v.shape)}) must be a "
                          f"multiple of the key heads Hk = {shown(hk)} (q {dims(q.shape)})")
     scalar, per_key = (b, t, hv), (b, t, hv, dk)
-    allowed = {"scalar": [scalar], "per_key": [per_key], "any": [scalar, per_key]}[gate]
+    allowed = [scalar, per_key] if gate == "any" else [scalar] if gate == "scalar" else [per_key]
     if tuple(g.shape) not in allowed:
         expected = " or ".join(dims(s) for s in allowed)
         fail(ValueError, f"g must have shape {expected}, got {dims(g.shape)}")
